@@ -1,0 +1,12 @@
+"""trl_tree: RL post-training with TRL that never computes a shared token twice.
+
+The sequences of a micro-batch go into a prefix forest; the policy's forward and backward run over
+its unique tokens with tree attention, exactly (see docs/design.md).
+"""
+
+from .engine import tree_backward, tree_logprobs
+from .forest import PrefixForest
+
+__version__ = "0.1.0"
+
+__all__ = ["PrefixForest", "tree_backward", "tree_logprobs", "__version__"]

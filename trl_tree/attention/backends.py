@@ -1,0 +1,190 @@
+"""Tree attention backends: one function per kernel, all with the same contract.
+
+Each takes HF-layout tensors ``query [1, H, U, D]``, ``key``/``value [1, Hkv, U, D]`` of the
+packed forest and returns ``[1, U, H, D]`` (what HF attention functions return). GQA is handled
+where the kernel cannot (head expansion in the order of HF's ``repeat_kv``).
+
+- ``eager``/``sdpa``: explicit ``[U, U]`` tree mask — exact references, CPU-friendly, O(U²) memory.
+- ``torch_flash``: PyTorch's FlashAttention-2 varlen; each node's queries against its gathered root
+  path (``cu_seqlens_q != cu_seqlens_k``, causal aligned bottom-right, which is exact here
+  because a node's queries are the last keys of its path).
+- ``flash``: the same through the flash-attn package (FA2 ``flash_attn_varlen_func``, or FA4
+  ``flash_attn.cute`` where that is what is installed).
+- ``flex``: compiled ``flex_attention`` with a block mask from ``subtree_end``; no gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import TreeAttentionMetadata
+
+BACKENDS = ("flash", "torch_flash", "flex", "sdpa", "eager")
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    """Repeat K/V heads for GQA: head h of the queries reads K/V head h // n_rep (HF ``repeat_kv``)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+
+
+def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~meta.dense_mask(), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(), scale=scaling)
+    return out.transpose(1, 2)
+
+
+def _gather_paths(q, k, v, meta: TreeAttentionMetadata):
+    """[U, H, D] queries and [Σ path, Hkv, D] keys/values: each node's root path, node after node."""
+    q = q[0].transpose(0, 1)
+    k = k[0].transpose(0, 1).index_select(0, meta.kv_index)
+    v = v[0].transpose(0, 1).index_select(0, meta.kv_index)
+    return q, k, v
+
+
+@functools.cache
+def _torch_varlen() -> tuple[Callable, bool, bool]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "enable_gqa" in params, "window_size" in params
+
+
+def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    varlen_attn, has_gqa, has_window = _torch_varlen()
+    n_rep = q.shape[1] // k.shape[1]
+    q, k, v = _gather_paths(q, k, v, meta)
+    kwargs = {"scale": scaling}
+    if has_window:
+        kwargs["window_size"] = (-1, 0)  # causal, aligned bottom-right
+    else:
+        kwargs["is_causal"] = True
+    if n_rep > 1:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
+    out = varlen_attn(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, **kwargs
+    )
+    return out.unsqueeze(0)
+
+
+@functools.cache
+def _flash_attn_varlen() -> tuple[Callable, str]:
+    """flash-attn's varlen function: FA2/FA3 (``flash_attn``) first, FA4 (``flash_attn.cute``) else."""
+    for module, flavour in (("flash_attn", "fa2"), ("flash_attn.cute", "fa4")):
+        try:
+            return importlib.import_module(module).flash_attn_varlen_func, flavour
+        except (ImportError, AttributeError, OSError):
+            continue
+    raise ImportError("attn_backend='flash' needs the flash-attn package: pip install 'trl-tree[flash]'")
+
+
+def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    fn, _ = _flash_attn_varlen()
+    q, k, v = _gather_paths(q, k, v, meta)  # flash-attn handles GQA natively
+    out = fn(
+        q,
+        k,
+        v,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scaling,
+        causal=True,
+    )
+    if isinstance(out, tuple):  # FA4 returns (out, lse)
+        out = out[0]
+    return out.unsqueeze(0)
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    enable_gqa = q.shape[1] != k.shape[1]
+    out = _compiled_flex()(q, k, v, block_mask=meta.block_mask(), scale=scaling, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
+
+
+TREE_ATTENTION: dict[str, Callable] = {
+    "eager": eager_tree_attention,
+    "sdpa": sdpa_tree_attention,
+    "torch_flash": torch_flash_tree_attention,
+    "flash": flash_tree_attention,
+    "flex": flex_tree_attention,
+}
+
+
+# ---------------------------------------------------------------------- availability / choice
+def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether backend ``name`` can run on ``device`` with ``dtype``, and why not."""
+    if name not in TREE_ATTENTION:
+        return False, f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
+    if name in ("eager", "sdpa"):
+        return True, ""
+    if device.type != "cuda":
+        return False, f"attn_backend={name!r} needs a CUDA device (the model is on {device.type})"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if name == "torch_flash":
+        try:
+            _torch_varlen()
+        except ImportError:
+            return False, "attn_backend='torch_flash' needs torch.nn.attention.varlen (PyTorch >= 2.9)"
+        if not half:
+            return False, f"attn_backend='torch_flash' runs in fp16/bf16 only (the model computes in {dtype})"
+        return True, ""
+    if name == "flash":
+        try:
+            _flash_attn_varlen()
+        except ImportError as e:
+            return False, str(e)
+        if not half:
+            return False, f"attn_backend='flash' runs in fp16/bf16 only (the model computes in {dtype})"
+        return True, ""
+    if name == "flex":
+        try:
+            importlib.import_module("torch.nn.attention.flex_attention")
+        except ImportError:
+            return False, "attn_backend='flex' needs torch.nn.attention.flex_attention"
+        return True, ""
+    return False, name  # unreachable
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve ``"auto"`` to the fastest backend that runs here; validate an explicit choice.
+
+    auto: on CUDA in fp16/bf16, flash-attn if installed, else PyTorch's FlashAttention varlen;
+    on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa.
+    """
+    if requested == "auto":
+        order = ("flash", "torch_flash", "flex") if device.type == "cuda" else ()
+        for name in order:
+            if backend_available(name, device, dtype)[0]:
+                return name
+        return "sdpa"
+    ok, why = backend_available(requested, device, dtype)
+    if not ok:
+        raise ValueError(why)
+    return requested

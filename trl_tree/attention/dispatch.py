@@ -1,0 +1,109 @@
+"""The one tree attention function, installed once into ``transformers.AttentionInterface``.
+
+Why a dispatcher wrapped around the model's *own* implementation (``sdpa``, ``eager``,
+``flash_attention_2``, …) rather than switching ``config._attn_implementation`` around a forward:
+under gradient checkpointing the backward re-runs the attention, and it must still be the tree
+attention then (swapping back after the forward raises ``CheckpointError``). The dispatcher is a
+pure pass-through when a call carries no tree metadata, so generation and stock forwards of the
+same model are untouched, and the model object itself is never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface
+
+from .backends import TREE_ATTENTION
+from .metadata import TREE_KWARG, TreeAttentionMetadata
+
+# implementation name -> the function that was registered before we wrapped it (None: model's own eager)
+_ORIGINALS: dict[str, Callable | None] = {}
+
+
+def _module_eager(module: torch.nn.Module) -> Callable:
+    """The modeling file's own ``eager_attention_forward`` (what HF uses when nothing is registered)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"no eager attention found for {type(module).__name__}")
+    return fn
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the packed forest, refusing anything the tree cannot compute exactly."""
+    if query.shape[0] != 1 or query.shape[2] != meta.num_tokens or key.shape[2] != meta.num_tokens:
+        raise ValueError(
+            f"tree attention got queries {tuple(query.shape)} and keys {tuple(key.shape)} for a forest of "
+            f"{meta.num_tokens} packed tokens; the tree forward takes one packed row and no KV cache"
+        )
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is active; the tree cannot reproduce per-sequence dropout masks. "
+            "Set the model's attention_dropout to 0 (RL fine-tuning normally runs without it)"
+        )
+    if sliding_window is not None and meta.max_depth > sliding_window:
+        raise ValueError(
+            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and a sequence "
+            f"is {meta.max_depth} tokens long; the tree attention cannot express the window. Sequences up "
+            "to the window length are exact"
+        )
+    if softcap is not None:
+        raise ValueError(f"{type(module).__name__} uses attention logit soft-capping, which tree attention does not support")
+    if s_aux is not None:
+        raise ValueError(f"{type(module).__name__} uses attention sinks, which tree attention does not support")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+    meta.calls += 1
+    out = TREE_ATTENTION[meta.backend](query, key, value, meta, scaling)
+    return out, None
+
+
+def _make_dispatcher(name: str) -> Callable:
+    def trl_tree_attention(module, query, key, value, attention_mask, **kwargs):
+        meta = kwargs.pop(TREE_KWARG, None)
+        if meta is not None:
+            return tree_attention_forward(module, query, key, value, meta, **kwargs)
+        original = _ORIGINALS[name]
+        fn = original if original is not None else _module_eager(module)
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    trl_tree_attention.__trl_tree_dispatcher__ = True  # type: ignore[attr-defined]
+    return trl_tree_attention
+
+
+def install(attn_implementation: str) -> None:
+    """Route ``attn_implementation`` through the tree dispatcher (idempotent, process-wide)."""
+    if attn_implementation in _ORIGINALS:
+        return
+    current = AttentionInterface._global_mapping.get(attn_implementation)
+    if getattr(current, "__trl_tree_dispatcher__", False):
+        return
+    _ORIGINALS[attn_implementation] = current
+    AttentionInterface.register(attn_implementation, _make_dispatcher(attn_implementation))
+
+
+def uninstall() -> None:
+    """Restore every wrapped implementation (tests; normal use never needs it)."""
+    for name, original in _ORIGINALS.items():
+        if original is None:
+            AttentionInterface._global_mapping.pop(name, None)
+        else:
+            AttentionInterface._global_mapping[name] = original
+    _ORIGINALS.clear()
+

@@ -1,0 +1,50 @@
+"""Score each unique prediction once with TRL's chunked fused log-prob head.
+
+A prediction is (source hidden state, next token). In the forest every unique token except a
+root's first is predicted exactly once, from the token before it on its path; a fork token's
+hidden state is gathered once per child (never re-run through the layer stack). TRL's
+``ChunkedLogProbFunction`` projects through the LM head in vocabulary tiles, so the
+``[P, vocab]`` logits are never materialised, forward or backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.kernels import ChunkedLogProbFunction
+
+from .model_parts import ModelParts
+
+#: vocabulary tile of the fused head (TRL's own default)
+VOCAB_CHUNK_SIZE = 32768
+
+
+def score_predictions(
+    hidden: torch.Tensor,
+    parts: ModelParts,
+    pred_src: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``targets`` under the LM head applied to ``hidden[pred_src]``.
+
+    ``hidden`` is ``[U, H]``; returns ``[P]`` float32 tensors.
+    """
+    if pred_src.numel() == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0  # keep the graph connected
+        return empty, (empty.detach() if with_entropy else None)
+    weight = parts.lm_head.weight
+    bias = getattr(parts.lm_head, "bias", None)
+    src = hidden.index_select(0, pred_src).to(weight.device)
+    out = ChunkedLogProbFunction.apply(
+        src,
+        weight,
+        bias,
+        targets,
+        temperature,
+        VOCAB_CHUNK_SIZE,
+        parts.final_logit_softcapping,
+        parts.logit_scale,
+        ("entropy",) if with_entropy else (),
+    )
+    return out[0], (out[1] if with_entropy else None)

@@ -1,0 +1,112 @@
+"""Tiny randomly initialised decoders and synthetic rollouts, built in code (no hub access).
+
+Used by the README's demo, the tests and the benchmarks, so every one of them runs offline on any
+machine. ``shaped_config`` gives real model shapes (Qwen2.5-0.5B/1.5B/7B) for GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+# family -> (config class name, extra config fields)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma": ("GemmaConfig", {"head_dim": 8}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {"logits_scaling": 2.0, "residual_multiplier": 0.5}),
+}
+
+#: (hidden, intermediate, layers, heads, kv heads, vocab, max positions) of Qwen2.5 models
+QWEN2_SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "0.5b": (896, 4864, 24, 14, 2, 151936, 32768),
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, 32768),
+    "7b": (3584, 18944, 28, 28, 4, 152064, 32768),
+}
+
+
+def tiny_config(family: str = "qwen2", vocab_size: int = 96, **overrides) -> PretrainedConfig:
+    """A 2-layer, 32-wide config of ``family`` with GQA (4 query heads, 2 K/V heads)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cls_name, extra = FAMILIES[family]
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # sharper attention than the 0.02 default: wrong masks show up clearly
+    )
+    fields.update(extra)
+    fields.update(overrides)
+    return getattr(transformers, cls_name)(**fields)
+
+
+def tiny_model(family: str = "qwen2", seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> torch.nn.Module:
+    """A tiny fp32 causal LM of ``family``, deterministic for ``seed``, in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def shaped_config(size: str = "1.5b", **overrides) -> PretrainedConfig:
+    """A Qwen2.5-``size``-shaped config (random weights are made from it; nothing is downloaded)."""
+    from transformers import Qwen2Config
+
+    hidden, inter, layers, heads, kv, vocab, max_pos = QWEN2_SHAPES[size]
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max_pos,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=size == "0.5b",
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+# ---------------------------------------------------------------------- synthetic rollouts
+def grpo_group(
+    prompt_len: int, completion_len: int, group_size: int, vocab_size: int, num_prompts: int = 1, seed: int = 0
+) -> list[list[int]]:
+    """``num_prompts`` GRPO groups: each prompt followed by ``group_size`` random completions."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(num_prompts):
+        prompt = rng.integers(0, vocab_size, prompt_len)
+        for _ in range(group_size):
+            seqs.append(np.concatenate([prompt, rng.integers(0, vocab_size, completion_len)]).tolist())
+    return seqs
+
+
+def random_tree(
+    num_sequences: int, vocab_size: int, max_len: int = 24, seed: int = 0, share: float = 0.7
+) -> list[list[int]]:
+    """Random sequences that branch off earlier ones at random depths (multi-level trees)."""
+    rng = np.random.default_rng(seed)
+    seqs: list[list[int]] = []
+    for _ in range(num_sequences):
+        length = int(rng.integers(1, max_len + 1))
+        if seqs and rng.random() < share:
+            base = seqs[int(rng.integers(len(seqs)))]
+            keep = int(rng.integers(0, min(len(base), length) + 1))
+            seq = base[:keep] + rng.integers(0, vocab_size, length - keep).tolist()
+        else:
+            seq = rng.integers(0, vocab_size, length).tolist()
+        seqs.append(seq)
+    return seqs
