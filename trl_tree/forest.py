@@ -77,17 +77,18 @@ class PrefixForest:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_sequences(cls, seqs: Sequence[SequenceLike]) -> PrefixForest:
+    def from_sequences(cls, seqs: Sequence[SequenceLike], share_prefixes: bool = True) -> PrefixForest:
         """Build the forest of ``seqs`` (lists of ints, 1-D integer tensors or numpy arrays).
 
         Sequences may repeat, be prefixes of each other or share nothing. Raises ``ValueError`` /
-        ``TypeError`` for empty input, empty sequences or non-integer ids.
+        ``TypeError`` for empty input, empty sequences or non-integer ids. ``share_prefixes=False``
+        makes every sequence its own root (padding-free packing without sharing: a baseline).
         """
         arrays, device = normalize_sequences(seqs)
-        return cls._build(arrays, device)
+        return cls._build(arrays, device, share_prefixes)
 
     @classmethod
-    def _build(cls, arrays: list[np.ndarray], device: torch.device | None) -> PrefixForest:
+    def _build(cls, arrays: list[np.ndarray], device: torch.device | None, share_prefixes: bool = True) -> PrefixForest:
         n = len(arrays)
         # Any total order in which sequences sharing a prefix are contiguous and a prefix precedes
         # its extensions is a DFS leaf order; big-endian fixed-width bytes give one, compared by memcmp.
@@ -118,7 +119,7 @@ class PrefixForest:
         prev: np.ndarray | None = None
         for seq in order:
             cur = arrays[seq]
-            if prev is None:
+            if prev is None or not share_prefixes:
                 lcp = 0
             else:
                 m = min(prev.shape[0], cur.shape[0])

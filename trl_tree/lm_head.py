@@ -30,11 +30,14 @@ def score_predictions(
 
     ``hidden`` is ``[U, H]``; returns ``[P]`` float32 tensors.
     """
-    if pred_src.numel() == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0  # keep the graph connected
-        return empty, (empty.detach() if with_entropy else None)
     weight = parts.lm_head.weight
     bias = getattr(parts.lm_head, "bias", None)
+    if pred_src.numel() == 0:
+        # nothing to score (single-token sequences): an empty result still connected to the model, so
+        # a backward leaves zero gradients where autograd on the untreed path leaves them too
+        anchor = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0)
+        empty = hidden.new_zeros(0, dtype=torch.float32) + anchor.float() * 0
+        return empty, (empty.detach() if with_entropy else None)
     src = hidden.index_select(0, pred_src).to(weight.device)
     out = ChunkedLogProbFunction.apply(
         src,

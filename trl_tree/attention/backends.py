@@ -5,8 +5,8 @@ packed forest and returns ``[1, U, H, D]`` (what HF attention functions return).
 where the kernel cannot (head expansion in the order of HF's ``repeat_kv``).
 
 - ``eager``/``sdpa``: explicit ``[U, U]`` tree mask — exact references, CPU-friendly, O(U²) memory.
-- ``torch_flash``: PyTorch's FlashAttention-2 varlen; each node's queries against its gathered root
-  path (``cu_seqlens_q != cu_seqlens_k``, causal aligned bottom-right, which is exact here
+- ``torch_flash``: PyTorch's built-in FlashAttention-2 varlen kernels; each node's queries against
+  its gathered root path (``cu_seqlens_q != cu_seqlens_k``, causal aligned bottom-right, which is exact here
   because a node's queries are the last keys of its path).
 - ``flash``: the same through the flash-attn package (FA2 ``flash_attn_varlen_func``, or FA4
   ``flash_attn.cute`` where that is what is installed).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -49,38 +48,74 @@ def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) ->
     return out.transpose(1, 2)
 
 
-def _gather_paths(q, k, v, meta: TreeAttentionMetadata):
-    """[U, H, D] queries and [Σ path, Hkv, D] keys/values: each node's root path, node after node."""
-    q = q[0].transpose(0, 1)
-    k = k[0].transpose(0, 1).index_select(0, meta.kv_index)
-    v = v[0].transpose(0, 1).index_select(0, meta.kv_index)
-    return q, k, v
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward sums the gathered gradients in fp32.
+
+    A shared prefix's K/V rows are gathered once per descendant node; their gradients are summed
+    back with ``index_add_``. In bf16 that sum would round at every addition (and bf16 atomics are
+    slow); an fp32 buffer keeps it exact up to one final rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return _scatter_sum_rows(grad, index, ctx.num_rows), None
 
 
-@functools.cache
-def _torch_varlen() -> tuple[Callable, bool, bool]:
-    from torch.nn.attention.varlen import varlen_attn
+def _scatter_sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    out = grad.new_zeros((num_rows, *grad.shape[1:]), dtype=torch.float32)
+    out.index_add_(0, index, grad.float())
+    return out.to(grad.dtype)
 
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn, "enable_gqa" in params, "window_size" in params
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """HF ``[1, heads, U, D]`` to varlen ``[U, heads, D]``."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+class _TorchFlashTreeAttention(torch.autograd.Function):
+    """Gather + PyTorch's built-in FlashAttention-2 varlen kernels as one autograd node.
+
+    Why not ``torch.nn.attention.varlen.varlen_attn``: autograd would save the *gathered* K/V
+    (Σ path lengths rows per layer, several times U on deep trees), and in PyTorch 2.11 it cannot
+    do GQA, forcing a head expansion. Here only the packed K/V are saved and re-gathered in
+    backward, the kernel reads the K/V heads natively (FA2 takes ``num_heads % num_heads_k == 0``)
+    and the gathered gradients are summed back in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
+        kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, kg, vg, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, kv_index, cu_q, cu_k)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, rng_state, unused, kv_index, cu_q, cu_k = ctx.saved_tensors
+        kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, kg, vg, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True,
+            rng_state, unused, scale=ctx.scale,
+        )
+        n = k.shape[0]
+        dk, dv = _scatter_sum_rows(dkg, kv_index, n), _scatter_sum_rows(dvg, kv_index, n)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    varlen_attn, has_gqa, has_window = _torch_varlen()
-    n_rep = q.shape[1] // k.shape[1]
-    q, k, v = _gather_paths(q, k, v, meta)
-    kwargs = {"scale": scaling}
-    if has_window:
-        kwargs["window_size"] = (-1, 0)  # causal, aligned bottom-right
-    else:
-        kwargs["is_causal"] = True
-    if n_rep > 1:
-        if has_gqa:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
-    out = varlen_attn(
-        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, **kwargs
+    out = _TorchFlashTreeAttention.apply(
+        _packed(q), _packed(k), _packed(v), meta.kv_index, meta.cu_seqlens_q, meta.cu_seqlens_k,
+        meta.max_seqlen_q, meta.max_seqlen_k, scaling,
     )
     return out.unsqueeze(0)
 
@@ -98,11 +133,11 @@ def _flash_attn_varlen() -> tuple[Callable, str]:
 
 def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
     fn, _ = _flash_attn_varlen()
-    q, k, v = _gather_paths(q, k, v, meta)  # flash-attn handles GQA natively
+    kv_index = meta.kv_index  # flash-attn handles GQA natively
     out = fn(
-        q,
-        k,
-        v,
+        _packed(q),
+        _GatherRows.apply(_packed(k), kv_index),
+        _GatherRows.apply(_packed(v), kv_index),
         cu_seqlens_q=meta.cu_seqlens_q,
         cu_seqlens_k=meta.cu_seqlens_k,
         max_seqlen_q=meta.max_seqlen_q,
@@ -148,10 +183,8 @@ def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tu
         return False, f"attn_backend={name!r} needs a CUDA device (the model is on {device.type})"
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "torch_flash":
-        try:
-            _torch_varlen()
-        except ImportError:
-            return False, "attn_backend='torch_flash' needs torch.nn.attention.varlen (PyTorch >= 2.9)"
+        if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+            return False, "attn_backend='torch_flash' needs PyTorch's built-in FlashAttention"
         if not half:
             return False, f"attn_backend='torch_flash' runs in fp16/bf16 only (the model computes in {dtype})"
         return True, ""

@@ -77,6 +77,9 @@ class TreeAttentionMetadata:
             def tree_mask(b, h, q_idx, kv_idx):
                 return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx.clamp(max=n - 1)])
 
-            bm = create_block_mask(tree_mask, None, None, n, n, device=subtree_end.device)
+            # compiled on CUDA so the mask is never materialised as [U, U]
+            bm = create_block_mask(
+                tree_mask, None, None, n, n, device=subtree_end.device, _compile=subtree_end.is_cuda
+            )
             self._cache["block_mask"] = bm
         return bm

@@ -1,0 +1,110 @@
+"""GPU exactness check of every tree attention backend (DESIGN, "Exactness", bf16 rule).
+
+    python -m trl_tree.bench.check_gpu [--out check.json]
+
+For each backend that runs on this GPU, the tree's bf16 log-probs and gradients are compared with
+an fp32 untreed reference (TF32 off); the untreed bf16 path is compared with the same reference.
+The tree passes when its error is at most 1.5x the untreed bf16 path's own error. In fp32 the
+backends that support it must also match the reference to 1e-5 like on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from .. import tree_backward, tree_logprobs
+from ..attention.backends import BACKENDS, backend_available
+from ..reference import untreed_backward, untreed_logprobs
+from ..tiny import grpo_group, random_tree, tiny_config
+from .common import dump, environment
+
+RULE = 1.5
+
+
+def _token_loss(lp: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    # advantage-like weights of both signs, varying per sequence and position
+    weight = ((seq_idx * 7 + pos * 13) % 5 - 2).to(lp.dtype) / 2
+    return -lp * weight
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _errors(logps, grads, ref_logps, ref_grads) -> dict[str, float]:
+    diffs = torch.cat([(a.float() - b).abs() for a, b in zip(logps, ref_logps)])
+    num = sum(float((grads[n] - g).pow(2).sum()) for n, g in ref_grads.items())
+    den = sum(float(g.pow(2).sum()) for g in ref_grads.values())
+    return {"logp_max_abs": float(diffs.max()), "logp_mean_abs": float(diffs.mean()), "grad_rel": (num / den) ** 0.5}
+
+
+def _run(model, seqs, backend):
+    model.zero_grad(set_to_none=True)
+    if backend is None:
+        logps = untreed_logprobs(model, seqs)
+        untreed_backward(model, seqs, _token_loss)
+    else:
+        with torch.no_grad():
+            logps = tree_logprobs(model, seqs, attn_backend=backend)
+        tree_backward(model, seqs, _token_loss, attn_backend=backend)
+    return [lp.detach() for lp in logps], _grads(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only smoke-tests the script")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("check_gpu needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    config = tiny_config(
+        "qwen2", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.05,
+    )
+    torch.manual_seed(0)
+    with device:
+        model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    workloads = {
+        "grpo_p300_c100_g8": grpo_group(300, 100, 8, config.vocab_size, seed=1),
+        "random_tree_24": random_tree(24, config.vocab_size, max_len=256, seed=2),
+    }
+    results, ok_all = [], True
+    for name, seqs in workloads.items():
+        ref_logps, ref_grads = _run(model32, seqs, None)
+        base = _errors(*_run(model16, seqs, None), ref_logps, ref_grads)
+        results.append({"workload": name, "path": "untreed", "dtype": "bf16", **base})
+        for backend in BACKENDS:
+            for dtype, model in (("bf16", model16), ("fp32", model32)):
+                ok, why = backend_available(backend, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+                if not ok:
+                    results.append({"workload": name, "path": backend, "dtype": dtype, "skipped": why})
+                    continue
+                errs = _errors(*_run(model, seqs, backend), ref_logps, ref_grads)
+                if dtype == "bf16":
+                    passed = all(errs[k] <= RULE * base[k] for k in ("logp_mean_abs", "logp_max_abs", "grad_rel"))
+                else:
+                    passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
+                ok_all &= passed
+                results.append({"workload": name, "path": backend, "dtype": dtype, **errs, "passed": passed})
+    print(f"{'workload':22} {'path':12} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['workload']:22} {r['path']:12} {r['dtype']:5} skipped: {r['skipped']}")
+            continue
+        verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
+        print(f"{r['workload']:22} {r['path']:12} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
+    dump(args.out, {"environment": environment(), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

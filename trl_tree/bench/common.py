@@ -1,0 +1,93 @@
+"""Shared pieces of the GPU benchmarks: timing with CUDA events, peak memory, the FLOP limit.
+
+Timing rule (DESIGN, "Measuring speed"): warm up, then the median of several runs timed with CUDA
+events, baseline and tree in the same process on the same rollouts; report ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> tuple[float, float]:
+    """Median milliseconds of ``fn`` over ``iters`` runs after ``warmup``, and its peak memory (GiB)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return statistics.median(times), peak
+
+
+@dataclass
+class StepCost:
+    """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and
+    Σ visible keys over all queries (attention pairs)."""
+
+    tokens: int
+    predictions: int
+    attention_pairs: int
+
+
+def step_flops(cost: StepCost, config, gradient_checkpointing: bool) -> float:
+    """FLOPs of forward + backward (+ the recompute under gradient checkpointing).
+
+    Body: 2 FLOPs per weight per token forward; backward twice that. LM head: 2·H·V per row.
+    Attention: QKᵀ and PV, 4·heads·head_dim per visible (query, key) pair forward.
+    """
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads
+    inter = config.intermediate_size
+    layers = config.num_hidden_layers
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+    body_fwd = 2 * per_layer * layers * cost.tokens
+    attn_fwd = 4 * heads * head_dim * layers * cost.attention_pairs
+    head_fwd = 2 * h * config.vocab_size * cost.predictions
+    passes = 3 + (1 if gradient_checkpointing else 0)  # fwd + bwd (2x) [+ recompute]
+    # the fused head recomputes its tiles in backward: fwd + recompute + 2 gradient GEMMs
+    return passes * (body_fwd + attn_fwd) + 4 * head_fwd
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    import transformers
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = None
+    return {
+        "device": props.name if props else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "trl": trl_version,
+        "python": platform.python_version(),
+    }
+
+
+def dump(path: str | None, payload: dict) -> None:
+    text = json.dumps(payload, indent=2)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    print(text)
