@@ -33,15 +33,19 @@ def normalize_sequences(seqs: Sequence[SequenceLike]) -> tuple[list[np.ndarray],
     if len(seqs) == 0:
         raise ValueError("no sequences: the forest needs at least one non-empty sequence")
 
+    devices = {seq.device for seq in seqs if isinstance(seq, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"sequence tensors are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "put them on one device"
+        )
     arrays: list[np.ndarray] = []
-    devices: set[torch.device] = set()
     for i, seq in enumerate(seqs):
         if isinstance(seq, torch.Tensor):
             if seq.dim() != 1:
                 raise ValueError(f"sequence {i} is a {seq.dim()}-D tensor; each sequence must be 1-D")
             if seq.dtype == torch.bool or seq.dtype.is_floating_point or seq.dtype.is_complex:
                 raise TypeError(f"sequence {i} has dtype {seq.dtype}; token ids must be an integer dtype")
-            devices.add(seq.device)
             arr = seq.detach().to("cpu", torch.int64).numpy()
         elif isinstance(seq, np.ndarray):
             if seq.ndim != 1:
@@ -54,22 +58,17 @@ def normalize_sequences(seqs: Sequence[SequenceLike]) -> tuple[list[np.ndarray],
                 f"sequence {i} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor"
             )
         else:
-            arr = np.asarray(seq) if len(seq) else np.zeros(0, dtype=np.int64)
-            if arr.ndim != 1 or (len(seq) and arr.dtype.kind not in "iu"):
-                bad = next((x for x in seq if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
+            kinds = set(map(type, seq))
+            if not all(k is int or (issubclass(k, np.integer)) for k in kinds):
+                bad = next(x for x in seq if type(x) is not int and not isinstance(x, np.integer))
                 raise TypeError(
                     f"sequence {i} holds a non-integer id ({bad!r} of type {type(bad).__name__}); "
                     "token ids must be Python or numpy integers"
                 )
-            arr = arr.astype(np.int64, copy=False)
+            arr = np.asarray(seq, dtype=np.int64) if len(seq) else np.zeros(0, dtype=np.int64)
         if arr.shape[0] == 0:
             raise ValueError(f"sequence {i} is empty; every sequence needs at least one token")
         arrays.append(arr)
-    if len(devices) > 1:
-        raise ValueError(
-            f"sequence tensors are on different devices ({', '.join(sorted(map(str, devices)))}); "
-            "put them on one device"
-        )
     return arrays, (devices.pop() if devices else None)
 
 

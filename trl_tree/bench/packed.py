@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="torch_flash,flex,flash")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", default=None, help="write per-kernel CUDA time tables (torch profiler) here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         lp = out.log_probs[:, -C:]
         loss = -(lp * advantages[:, None]).sum() / n_terms
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     causal_ids = torch.from_numpy(forest.tokens).cuda().unsqueeze(0)
     causal_labels = causal_ids.clone()
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         record(f"tree[{backend}] no-ckpt", tree(backend), limit_no_ckpt, tree_cost)
         model.gradient_checkpointing_enable()
 
+    if args.profile:
+        profile_steps(args.profile, {"causal_U": causal_u, **{f"tree[{b}]": tree(b) for b in losses}})
+
     base_ms = next(r["ms"] for r in rows if r["path"] == "trl_padded")
     for r in rows:
         if "ms" in r:
@@ -159,6 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     })
     return 0
+
+
+def profile_steps(path: str, steps: dict) -> None:
+    """Per-kernel CUDA time of one step of each path, largest first (what to optimise next)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with open(path, "w") as f:
+        for name, step in steps.items():
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            f.write(f"===== {name}\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+            f.write("\n")
 
 
 if __name__ == "__main__":

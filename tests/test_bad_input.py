@@ -1,0 +1,142 @@
+"""Bad input gets a clear ValueError/TypeError naming the problem, never a wrong number."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.tiny import tiny_model
+
+
+def loss(lp, s, p):
+    return -lp
+
+
+@pytest.mark.parametrize(
+    "seqs, error, match",
+    [
+        ([], ValueError, "no sequences"),
+        ([[1, 2], []], ValueError, "sequence 1 is empty"),
+        ([[1, 2.5]], TypeError, "non-integer id"),
+        ([[1, True]], TypeError, "non-integer id"),
+        ([["a", "b"]], TypeError, "non-integer id"),
+        ([torch.tensor([1.0, 2.0])], TypeError, "integer dtype"),
+        ([torch.tensor([True, False])], TypeError, "integer dtype"),
+        ([np.array([0.5, 1.5])], TypeError, "integers"),
+        ([torch.zeros(2, 2, dtype=torch.long)], ValueError, "1-D"),
+        ([[1, [2, 3]]], TypeError, "non-integer id"),
+        ("abc", TypeError, "list of token-id sequences"),
+        ([5, 6], TypeError, "sequence 0 is a int"),
+        (torch.zeros(2, 2, 2, dtype=torch.long), ValueError, "3-D tensor"),
+    ],
+)
+def test_bad_sequences(seqs, error, match):
+    with pytest.raises(error, match=match):
+        PrefixForest.from_sequences(seqs)
+
+
+def test_ids_out_of_vocabulary(qwen2):
+    vocab = qwen2.config.vocab_size
+    with pytest.raises(ValueError, match=rf"sequence 1 holds token id {vocab}, outside .*\[0, {vocab}\)"):
+        tree_logprobs(qwen2, [[1, 2], [1, vocab]])
+    with pytest.raises(ValueError, match=r"token id -3"):
+        tree_backward(qwen2, [[1, -3, 2]], loss)
+
+
+def test_sequence_longer_than_max_positions(qwen2):
+    n = qwen2.config.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=rf"sequence 1 has {n} tokens, more than the model's max_position_embeddings"):
+        tree_logprobs(qwen2, [[1, 2], [1] * n])
+
+
+def test_tensors_on_different_devices():
+    meta = torch.tensor([1, 2], device="meta")
+    with pytest.raises(ValueError, match="different devices"):
+        PrefixForest.from_sequences([torch.tensor([1, 2]), meta])
+
+
+def test_score_from_out_of_range(qwen2):
+    with pytest.raises(ValueError, match=r"score_from\[1\] = 3 is outside \[1, 2\]"):
+        tree_logprobs(qwen2, [[1, 2, 3], [1, 2]], score_from=3)
+    with pytest.raises(ValueError, match="one int per sequence"):
+        tree_logprobs(qwen2, [[1, 2, 3], [1, 2]], score_from=[1])
+    with pytest.raises(ValueError, match=r"score_from\[0\] = 0"):
+        tree_logprobs(qwen2, [[1, 2, 3]], score_from=0)
+
+
+def test_bad_mode_backend_temperature_loss(qwen2):
+    seqs = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="unknown mode"):
+        tree_logprobs(qwen2, seqs, mode="bfs")
+    with pytest.raises(NotImplementedError, match="dfs"):
+        tree_logprobs(qwen2, seqs, mode="dfs")
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        tree_logprobs(qwen2, seqs, attn_backend="xformers")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        tree_logprobs(qwen2, seqs, attn_backend="torch_flash")
+    with pytest.raises(ValueError, match="temperature"):
+        tree_logprobs(qwen2, seqs, temperature=0)
+    with pytest.raises(TypeError, match="token_loss must be callable"):
+        tree_backward(qwen2, seqs, "not a function")
+    with pytest.raises(ValueError, match=r"one loss term per log-prob \(a tensor of shape \(2,\)\)"):
+        tree_backward(qwen2, seqs, lambda lp, s, p: lp.sum())
+
+
+def test_not_a_causal_lm():
+    with pytest.raises(TypeError, match="holds no transformers PreTrainedModel"):
+        tree_logprobs(torch.nn.Linear(3, 3), [[1, 2]])
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        tree_logprobs("gpt2", [[1, 2]])
+
+
+class _HandWrittenAttention(torch.nn.Module):
+    """Causal attention that does not go through transformers' AttentionInterface."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        mod = self.inner
+        b, n, _ = hidden_states.shape
+        q = mod.q_proj(hidden_states).view(b, n, -1, mod.head_dim).transpose(1, 2)
+        k = mod.k_proj(hidden_states).view(b, n, -1, mod.head_dim).transpose(1, 2)
+        v = mod.v_proj(hidden_states).view(b, n, -1, mod.head_dim).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return mod.o_proj(out.transpose(1, 2).reshape(b, n, -1)), None
+
+
+def test_model_whose_attention_bypasses_the_interface():
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn = _HandWrittenAttention(layer.self_attn)
+    with pytest.raises(ValueError, match="0 of its 2 layers ran their attention through transformers' AttentionInterface"):
+        tree_logprobs(model, [[1, 2, 3], [1, 2, 4]])
+
+
+def test_sliding_window_longer_than_window_is_refused():
+    model = tiny_model("mistral", sliding_window=4)
+    seqs_short = [[1, 2, 3], [1, 2, 4]]
+    tree_logprobs(model, seqs_short)  # within the window: exact, allowed
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 4\\)"):
+        tree_logprobs(model, [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]])
+
+
+def test_attention_dropout_is_refused():
+    model = tiny_model("qwen2", attention_dropout=0.1).train()
+    with pytest.raises(ValueError, match="attention dropout"):
+        tree_logprobs(model, [[1, 2, 3]])
+
+
+def test_non_softmax_layers_are_refused():
+    from transformers import Qwen2Config
+
+    model = tiny_model("qwen2")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    assert isinstance(model.config, Qwen2Config)
+    with pytest.raises(ValueError, match="linear_attention layers"):
+        tree_logprobs(model, [[1, 2, 3]])
