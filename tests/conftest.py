@@ -35,13 +35,24 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_grads_close(tree: dict, ref: dict, rtol: float = GRAD_RTOL) -> None:
+    """||g_tree - g_ref|| / ||g_ref|| <= rtol for every parameter.
+
+    A gradient that is mathematically zero (e.g. q_proj on a constant sequence, where attention
+    cannot depend on the scores) is pure fp32 rounding noise, and dividing by its norm measures
+    nothing; the denominator is therefore floored at 1% of the largest parameter gradient's norm.
+    """
     assert tree.keys() == ref.keys(), sorted(set(tree) ^ set(ref))
+    floor = 1e-2 * max(g.norm() for g in ref.values()).clamp_min(1e-30)
     for name, g in ref.items():
-        err = ((tree[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        err = ((tree[name] - g).norm() / torch.maximum(g.norm(), floor)).item()
         assert err <= rtol, f"{name}: relative gradient error {err:.3e} > {rtol}"
 
 
 def weighted_loss(lp: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """A per-token loss that depends on sequence and position (signs differ), like GRPO's."""
-    weight = ((seq_idx * 7 + pos * 13) % 5 - 2).to(lp.dtype) / 2
+    """A per-token loss whose weight depends on sequence and position, like GRPO's advantages.
+
+    Weights are kept positive: with mixed signs a constant sequence's terms cancel to a gradient
+    that is only rounding residue, and comparing residues says nothing about exactness.
+    """
+    weight = 1 + ((seq_idx * 7 + pos * 13) % 5).to(lp.dtype) / 4
     return -lp * weight + 0.01 * lp.exp() * (pos % 2)

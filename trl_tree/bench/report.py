@@ -1,0 +1,48 @@
+"""Render benchmark JSON files as Markdown tables (committed under docs/benchmarks/).
+
+    python -m trl_tree.bench.report docs/benchmarks/packed_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def packed_table(payload: dict) -> str:
+    w, env = payload["workload"], payload["environment"]
+    lines = [
+        f"**{w['model']}**, {w['dtype']}, gradient checkpointing, G={w['group']}, prompt {w['prompt']}, "
+        f"completion {w['completion']} — T={w['T']}, U={w['U']}, T/U={w['T_over_U']:.2f}, "
+        f"FLOP limit {w['flop_limit']:.2f} (checkpointing off: {w['flop_limit_no_ckpt']:.2f}); "
+        f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}",
+        "",
+        "| path | ms | speed-up | ÷ (T/U) | ÷ FLOP limit | peak GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in payload["rows"]:
+        if "ms" not in r:
+            lines.append(f"| {r['path']} | {r.get('skipped') or r.get('error')} | | | | |")
+            continue
+        frac = f"{r['fraction_of_flop_limit']:.2f}" if "fraction_of_flop_limit" in r else "—"
+        lines.append(
+            f"| {r['path']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['speedup_over_T_U']:.2f} | {frac} | "
+            f"{r['peak_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        with open(path) as f:
+            payload = json.load(f)
+        if "workload" in payload and "rows" in payload:
+            print(packed_table(payload) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
