@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._inputs import SequenceLike
@@ -26,12 +27,8 @@ TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _check_mode(mode: str) -> None:
-    if mode == "dfs":
-        raise NotImplementedError(
-            "mode='dfs' (the depth-first walk with a K/V stack) is not available yet; use mode='packed'"
-        )
-    if mode != "packed":
-        raise ValueError(f"unknown mode {mode!r}; choose 'packed'")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
 def _check_temperature(temperature: float) -> None:
@@ -59,16 +56,16 @@ def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest)
     return parts, forest
 
 
-def packed_hidden_states(
-    parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto"
-) -> torch.Tensor:
-    """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
+def tree_forward(parts: ModelParts, tokens: np.ndarray, meta) -> torch.Tensor:
+    """Final hidden states ``[n, H]`` of ``tokens`` run as one packed row under tree metadata ``meta``.
+
+    The outer module is called (DDP hooks, PEFT adapters run); no logits are requested; the hidden
+    state comes from a hook on the backbone. Afterwards every layer must have attended through
+    the tree dispatcher, else the model would have mixed branches and we refuse the result.
+    """
     device = parts.device
-    backend = resolve_backend(attn_backend, device, parts.compute_dtype)
-    install(parts.causal_lm.config._attn_implementation)
-    meta = TreeAttentionMetadata.from_forest(forest, device, backend)
-    input_ids = torch.from_numpy(forest.tokens).to(device).unsqueeze(0)
-    # a 4-D placeholder makes HF skip building its own O(U²) mask; tree attention ignores it
+    input_ids = torch.from_numpy(tokens).to(device).unsqueeze(0)
+    # a 4-D placeholder makes HF skip building its own O(n²) mask; tree attention ignores it
     placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     with capture_last_hidden_state(parts.backbone) as captured:
         parts.outer(
@@ -86,6 +83,14 @@ def packed_hidden_states(
             "hand-written or non-softmax attention would silently mix branches)"
         )
     return captured[-1][0]
+
+
+def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto") -> torch.Tensor:
+    """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
+    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
+    install(parts.causal_lm.config._attn_implementation)
+    meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)
+    return tree_forward(parts, forest.tokens, meta)
 
 
 def _score(
@@ -106,6 +111,19 @@ def _score(
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None)
 
 
+def _check_chunk_size(chunk_size: int | None) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
+              chunk_size: int | None):
+    from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
+
+    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype)
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size)
+
+
 def tree_logprobs(
     model: torch.nn.Module,
     seqs: Sequence[SequenceLike] | PrefixForest,
@@ -114,20 +132,34 @@ def tree_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     score_from: int | Sequence[int] | None = None,
+    chunk_size: int | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
     ``logps[i][j] = log p(seqs[i][j + 1] | seqs[i][: j + 1])`` (logits divided by ``temperature``),
     ``len(logps[i]) == len(seqs[i]) - 1``. With ``score_from`` (an int or one per sequence) only
     tokens ``seqs[i][score_from[i]:]`` are scored — e.g. the completion after a prompt — and
-    ``logps[i]`` has ``len(seqs[i]) - score_from[i]`` entries. Differentiable in ``"packed"`` mode.
-    ``return_entropy=True`` also returns the entropy of each scored position's distribution.
+    ``logps[i]`` has ``len(seqs[i]) - score_from[i]`` entries. ``return_entropy=True`` also returns
+    the entropy of each scored position's distribution.
+
+    ``mode="packed"``: one forward over the unique tokens; differentiable. ``mode="dfs"``: a
+    depth-first walk with a K/V stack (memory bounded by the longest path and ``chunk_size``);
+    forward only, the result carries no graph.
     """
     _check_mode(mode)
     _check_temperature(temperature)
+    _check_chunk_size(chunk_size)
     parts, forest = prepare(model, seqs)
     plan = forest.scoring_plan(score_from)
-    logp, ent = _score(parts, forest, plan, attn_backend, temperature, return_entropy)
+    if mode == "dfs":
+        logp_rows, ent_rows = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).logprobs(
+            return_entropy
+        )
+        gather = torch.from_numpy(plan.gather).to(logp_rows.device)
+        logp = logp_rows.index_select(0, gather)
+        ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
+    else:
+        logp, ent = _score(parts, forest, plan, attn_backend, temperature, return_entropy)
     counts = plan.counts.tolist()
     logps = list(logp.split(counts))
     if return_entropy:
@@ -143,20 +175,30 @@ def tree_backward(
     attn_backend: str = "auto",
     temperature: float = 1.0,
     score_from: int | Sequence[int] | None = None,
+    chunk_size: int | None = None,
+    keep_graph: bool = False,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
-    ``token_loss(logps [n], seq_idx [n], pos [n]) -> [n]`` is called once on all scored terms
-    (``pos`` is the prediction index ``j`` of ``tree_logprobs``). Afterwards every parameter's
-    ``.grad`` holds (accumulated onto what was there) exactly what autograd leaves for that sum
-    computed sequence by sequence without a tree. Returns the loss value.
+    ``token_loss(logps [n], seq_idx [n], pos [n]) -> [n]`` gets the scored terms (``pos`` is the
+    prediction index ``j`` of ``tree_logprobs``) and must be elementwise: ``mode="dfs"`` calls it
+    once per unit of the walk. Afterwards every parameter's ``.grad`` holds (accumulated onto what
+    was there) exactly what autograd leaves for that sum computed sequence by sequence without a
+    tree. Returns the loss value.
+
+    ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
+    are cut, small sibling subtrees grouped up to it); ``keep_graph=True`` keeps each pushed
+    node's graph until its backward instead of recomputing it (faster, memory of the whole path).
     """
     _check_mode(mode)
     _check_temperature(temperature)
+    _check_chunk_size(chunk_size)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
     parts, forest = prepare(model, seqs)
     plan = forest.scoring_plan(score_from)
+    if mode == "dfs":
+        return _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).backward(token_loss, keep_graph)
     with torch.enable_grad():
         logp, _ = _score(parts, forest, plan, attn_backend, temperature, False)
         device = logp.device

@@ -158,19 +158,38 @@ class PrefixForest:
         new_id[np.asarray(preorder, dtype=np.int64)] = np.arange(num_nodes)
 
         pre = np.asarray(preorder, dtype=np.int64)
-        n_start_depth = np.asarray(start, dtype=np.int64)[pre]
-        n_len = np.asarray(end, dtype=np.int64)[pre] - n_start_depth
+        n_depth = np.asarray(start, dtype=np.int64)[pre]
+        n_len = np.asarray(end, dtype=np.int64)[pre] - n_depth
         old_parent = np.asarray(parent, dtype=np.int64)[pre]
         n_parent = np.where(old_parent >= 0, new_id[np.maximum(old_parent, 0)], -1)
-        n_children = np.asarray([len(children[v]) for v in preorder], dtype=np.int64)
+        tokens = np.concatenate([arrays[src[v]][start[v] : end[v]] for v in preorder])
+        seq_end_node = np.empty(n, dtype=np.int64)
+        for v in range(num_nodes):
+            for s in ending[preorder[v]]:
+                seq_end_node[s] = v
+        seq_lengths = np.asarray([a.shape[0] for a in arrays], dtype=np.int64)
+        return cls._from_nodes(tokens, n_depth, n_len, n_parent, seq_end_node, seq_lengths, device)
+
+    @classmethod
+    def _from_nodes(
+        cls,
+        tokens: np.ndarray,
+        n_depth: np.ndarray,
+        n_len: np.ndarray,
+        n_parent: np.ndarray,
+        seq_end_node: np.ndarray,
+        seq_lengths: np.ndarray,
+        device: torch.device | None,
+    ) -> PrefixForest:
+        """Every layout array from a node table in pre-order (nodes hold consecutive packed tokens)."""
+        num_nodes = n_len.shape[0]
+        n_children = np.bincount(n_parent[n_parent >= 0], minlength=num_nodes).astype(np.int64)
         n_packed_start = np.zeros(num_nodes, dtype=np.int64)
         np.cumsum(n_len[:-1], out=n_packed_start[1:])
         U = int(n_len.sum())
-
-        tokens = np.concatenate([arrays[src[v]][start[v] : end[v]] for v in preorder])
         node_of_token = np.repeat(np.arange(num_nodes), n_len)
         offset_in_node = np.arange(U) - n_packed_start[node_of_token]
-        position_ids = n_start_depth[node_of_token] + offset_in_node
+        position_ids = n_depth[node_of_token] + offset_in_node
 
         # subtree end of a node: pre-order makes it the start of the next node that is not a descendant;
         # computed bottom-up as max over children (reverse pre-order visits children before parents).
@@ -184,9 +203,9 @@ class PrefixForest:
         # previous token on the path: inside a node the token before; a node's first token is
         # predicted from its parent's last token (the fork token)
         parent_index = np.arange(U, dtype=np.int64) - 1
-        firsts = n_packed_start
-        parent_last = np.where(n_parent >= 0, n_packed_start[np.maximum(n_parent, 0)] + n_len[np.maximum(n_parent, 0)] - 1, -1)
-        parent_index[firsts] = parent_last
+        safe_parent = np.maximum(n_parent, 0)
+        parent_last = np.where(n_parent >= 0, n_packed_start[safe_parent] + n_len[safe_parent] - 1, -1)
+        parent_index[n_packed_start] = parent_last
 
         # root path of every node = parent's path + own range (this is the varlen key list)
         paths: list[np.ndarray] = [None] * num_nodes  # type: ignore[list-item]
@@ -198,13 +217,7 @@ class PrefixForest:
         cu_q = np.zeros(num_nodes + 1, dtype=np.int32)
         np.cumsum(n_len, out=cu_q[1:])
         cu_k = np.zeros(num_nodes + 1, dtype=np.int32)
-        np.cumsum(n_start_depth + n_len, out=cu_k[1:])
-
-        seq_end_node = np.empty(n, dtype=np.int64)
-        for v in range(num_nodes):
-            for s in ending[preorder[v]]:
-                seq_end_node[s] = v
-        seq_lengths = np.asarray([a.shape[0] for a in arrays], dtype=np.int64)
+        np.cumsum(n_depth + n_len, out=cu_k[1:])
 
         return cls(
             tokens=tokens,
@@ -213,7 +226,7 @@ class PrefixForest:
             parent_index=parent_index,
             node_start=n_packed_start,
             node_length=n_len,
-            node_depth=n_start_depth,
+            node_depth=n_depth,
             node_parent=n_parent,
             node_num_children=n_children,
             kv_index=kv_index,
@@ -222,6 +235,31 @@ class PrefixForest:
             seq_lengths=seq_lengths,
             seq_end_node=seq_end_node,
             _source_device=device,
+        )
+
+    def split_nodes(self, max_length: int) -> PrefixForest:
+        """The same forest with every node longer than ``max_length`` cut into a chain of chunks.
+
+        Packed order, tokens and sequences are unchanged; only the node table (and so the varlen
+        segments) changes. The depth-first walk uses it for chunked backprop.
+        """
+        if not isinstance(max_length, (int, np.integer)) or isinstance(max_length, bool) or max_length < 1:
+            raise ValueError(f"chunk size must be a positive int, got {max_length!r}")
+        pieces = -(-self.node_length // max_length)  # ceil
+        if int(pieces.max()) == 1:
+            return self
+        first_piece = np.zeros(self.num_nodes + 1, dtype=np.int64)
+        np.cumsum(pieces, out=first_piece[1:])
+        total = int(first_piece[-1])
+        owner = np.repeat(np.arange(self.num_nodes), pieces)
+        k = np.arange(total) - first_piece[owner]
+        depth = self.node_depth[owner] + k * max_length
+        length = np.minimum(max_length, self.node_length[owner] - k * max_length)
+        last_piece = first_piece[1:] - 1
+        orig_parent = self.node_parent[owner]
+        parent = np.where(k > 0, np.arange(total) - 1, np.where(orig_parent >= 0, last_piece[np.maximum(orig_parent, 0)], -1))
+        return type(self)._from_nodes(
+            self.tokens, depth, length, parent, last_piece[self.seq_end_node], self.seq_lengths, self._source_device
         )
 
     # ------------------------------------------------------------------ statistics

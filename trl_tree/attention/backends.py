@@ -32,20 +32,27 @@ def _expand_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
 
 
-def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+def masked_attention(q, k, v, mask: torch.Tensor, scaling: float, kind: str) -> torch.Tensor:
+    """Reference attention with an explicit boolean mask ``[Lq, Lk]``; returns ``[1, Lq, H, D]``.
+
+    ``kind="eager"`` mirrors HF's eager path (fp32 softmax), ``"sdpa"`` PyTorch's SDPA.
+    """
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~meta.dense_mask(), float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).transpose(1, 2)
 
 
+def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+    return masked_attention(q, k, v, meta.dense_mask(), scaling, "eager")
+
+
 def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(), scale=scaling)
-    return out.transpose(1, 2)
+    return masked_attention(q, k, v, meta.dense_mask(), scaling, "sdpa")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -68,15 +75,40 @@ class _GatherRows(torch.autograd.Function):
         return _scatter_sum_rows(grad, index, ctx.num_rows), None
 
 
-def _scatter_sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _scatter_sum_rows_fp32(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     out = grad.new_zeros((num_rows, *grad.shape[1:]), dtype=torch.float32)
     out.index_add_(0, index, grad.float())
-    return out.to(grad.dtype)
+    return out
+
+
+def _scatter_sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return _scatter_sum_rows_fp32(grad, index, num_rows).to(grad.dtype)
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
     """HF ``[1, heads, U, D]`` to varlen ``[U, heads, D]``."""
     return x[0].transpose(0, 1).contiguous()
+
+
+def flash_varlen_forward(q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
+    """PyTorch's FA2 varlen forward over rows ``kv_index`` of ``k``/``v``; returns (out, saved)."""
+    kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, kg, vg, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )
+    return out, (lse, rng_state, unused)
+
+
+def flash_varlen_backward(grad_out, q, k, v, out, saved, kv_index, cu_q, cu_k, max_q, max_k, scale):
+    """Gradients of :func:`flash_varlen_forward`: ``dq`` and fp32 ``dk``/``dv`` summed over the gather."""
+    lse, rng_state, unused = saved
+    kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
+    dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, kg, vg, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True,
+        rng_state, unused, scale=scale,
+    )
+    n = k.shape[0]
+    return dq, _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
 
 
 class _TorchFlashTreeAttention(torch.autograd.Function):
@@ -91,25 +123,18 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
-        kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, kg, vg, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, kv_index, cu_q, cu_k)
+        out, saved = flash_varlen_forward(q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale)
+        ctx.save_for_backward(q, k, v, out, kv_index, cu_q, cu_k, *saved)
         ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, rng_state, unused, kv_index, cu_q, cu_k = ctx.saved_tensors
-        kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-        dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, kg, vg, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True,
-            rng_state, unused, scale=ctx.scale,
+        q, k, v, out, kv_index, cu_q, cu_k, *saved = ctx.saved_tensors
+        dq, dk, dv = flash_varlen_backward(
+            grad_out, q, k, v, out, saved, kv_index, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale
         )
-        n = k.shape[0]
-        dk, dv = _scatter_sum_rows(dkg, kv_index, n), _scatter_sum_rows(dvg, kv_index, n)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None, None
 
 
 def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:

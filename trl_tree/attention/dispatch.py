@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 from transformers import AttentionInterface
 
-from .backends import TREE_ATTENTION
-from .metadata import TREE_KWARG, TreeAttentionMetadata
+from .metadata import TREE_KWARG
 
 # implementation name -> the function that was registered before we wrapped it (None: model's own eager)
 _ORIGINALS: dict[str, Callable | None] = {}
@@ -37,7 +36,7 @@ def tree_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    meta: TreeAttentionMetadata,
+    meta,
     *,
     dropout: float = 0.0,
     scaling: float | None = None,
@@ -70,7 +69,7 @@ def tree_attention_forward(
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
     meta.calls += 1
-    out = TREE_ATTENTION[meta.backend](query, key, value, meta, scaling)
+    out = meta.attend(module, query, key, value, scaling)
     return out, None
 
 

@@ -54,6 +54,12 @@ class TreeAttentionMetadata:
             max_seqlen_k=forest.max_seqlen_k,
         )
 
+    def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:
+        """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``."""
+        from .backends import TREE_ATTENTION
+
+        return TREE_ATTENTION[self.backend](query, key, value, self, scaling)
+
     def dense_mask(self) -> torch.Tensor:
         """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends)."""
         mask = self._cache.get("dense")

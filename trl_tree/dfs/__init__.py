@@ -1,0 +1,1 @@
+"""Depth-first tree walk (AREAL-DTA style): K/V stack, memory bounded by the longest path."""

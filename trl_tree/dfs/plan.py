@@ -1,0 +1,167 @@
+"""The depth-first walk as a list of steps over *units*, computed on the CPU before any compute.
+
+A unit is one model call: a contiguous packed range ``[start, end)`` whose tokens all hang below
+the same cached prefix (the current root path, depth ``depth``). Two kinds:
+
+- a *pushed* node: one node (or chunk of one) with children; its K/V stay on the stack while its
+  subtree is walked, and it is back-propagated last (``push`` ... ``pop``);
+- a *group*: complete subtrees of consecutive siblings (leaves in the simplest case) that fit the
+  group budget; forwarded, scored and back-propagated in one call (siblings sharing the cached
+  prefix run together, AREAL-DTA's batching of leaves generalised to small subtrees).
+
+Nodes longer than ``chunk_size`` were already cut into chains (``PrefixForest.split_nodes``), so
+no unit is larger than the budget unless a single chunk is: peak activation memory is bounded by
+the budget plus the K/V of the current path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..forest import PrefixForest, ScoringPlan
+
+
+@dataclass(frozen=True)
+class Unit:
+    start: int  # packed range [start, end)
+    end: int
+    depth: int  # cached prefix length (stack slots [0, depth) hold the root path)
+    node_lo: int  # node ids [node_lo, node_hi) inside the unit (pre-order makes them contiguous)
+    node_hi: int
+    pushed: bool  # True: a node whose children follow; False: a group of complete subtrees
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str  # "push" (forward, K/V stay), "pop" (backward of a pushed unit), "group" (forward+backward)
+    unit: int
+
+
+@dataclass
+class WalkPlan:
+    forest: PrefixForest  # chunked
+    units: list[Unit]
+    steps: list[Step]
+    stack_size: int  # slots the K/V stack needs: max over units of depth + tokens
+    rows_of_unit: list[np.ndarray]  # scoring rows whose source hidden state is in the unit
+    terms_of_unit: list[np.ndarray]  # loss terms answered by those rows (indices into plan.gather)
+
+    @property
+    def num_calls(self) -> int:
+        return sum(1 for s in self.steps if s.op != "pop")
+
+
+def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None) -> WalkPlan:
+    """Cut ``forest`` into units and order them depth-first (children before a node's backward)."""
+    if chunk_size is not None:
+        forest = forest.split_nodes(chunk_size)
+    budget = chunk_size if chunk_size is not None else int(forest.node_length.max())
+    n = forest.num_nodes
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots: list[int] = []
+    for v, p in enumerate(forest.node_parent.tolist()):
+        (children[p] if p >= 0 else roots).append(v)
+    node_start = forest.node_start
+    sub_end_tok = forest.subtree_end[node_start]  # packed end of each node's subtree
+    sub_tokens = sub_end_tok - node_start
+    # last node id of each subtree (pre-order): the node just before the first node past it
+    node_sub_hi = np.searchsorted(node_start, sub_end_tok, side="left")
+
+    units: list[Unit] = []
+    steps: list[Step] = []
+
+    def add_group(group: list[int]) -> None:
+        first, last = group[0], group[-1]
+        units.append(Unit(int(node_start[first]), int(sub_end_tok[last]), int(forest.node_depth[first]),
+                          first, int(node_sub_hi[last]), False))
+        steps.append(Step("group", len(units) - 1))
+
+    def items(kids: list[int]) -> list[tuple[str, object]]:
+        """Siblings in order: runs of small subtrees become groups, larger ones are walked."""
+        out: list[tuple[str, object]] = []
+        group: list[int] = []
+        group_tokens = 0
+        for c in kids:
+            if sub_tokens[c] <= budget:
+                if group and group_tokens + sub_tokens[c] > budget:
+                    out.append(("group", group))
+                    group, group_tokens = [], 0
+                group.append(c)
+                group_tokens += int(sub_tokens[c])
+            else:
+                if group:
+                    out.append(("group", group))
+                    group, group_tokens = [], 0
+                out.append(("node", c))
+        if group:
+            out.append(("group", group))
+        return out
+
+    # explicit stack of (sibling iterator, unit to pop when it is exhausted): chains of chunks can
+    # be thousands deep, too deep for recursion
+    walk: list[tuple[object, int | None]] = [(iter(items(roots)), None)]
+    while walk:
+        iterator, pop_unit = walk[-1]
+        item = next(iterator, None)  # type: ignore[call-overload]
+        if item is None:
+            walk.pop()
+            if pop_unit is not None:
+                steps.append(Step("pop", pop_unit))
+            continue
+        what, x = item
+        if what == "group":
+            add_group(x)  # type: ignore[arg-type]
+            continue
+        c = x  # type: ignore[assignment]
+        units.append(Unit(int(node_start[c]), int(node_start[c] + forest.node_length[c]),
+                          int(forest.node_depth[c]), c, c + 1, True))
+        steps.append(Step("push", len(units) - 1))
+        walk.append((iter(items(children[c])), len(units) - 1))
+
+    stack_size = max(u.depth + u.num_tokens for u in units)
+    # scoring rows by the unit holding their source token; terms by their row's unit
+    unit_starts = np.asarray([u.start for u in units])
+    order = np.argsort(unit_starts, kind="stable")
+    sorted_starts = unit_starts[order]
+    unit_of_row = order[np.searchsorted(sorted_starts, scoring.pred_src, side="right") - 1]
+    rows_of_unit = _bucket(unit_of_row, len(units))
+    terms_of_unit = _bucket(unit_of_row[scoring.gather], len(units)) if scoring.num_terms else [
+        np.zeros(0, dtype=np.int64) for _ in units]
+    return WalkPlan(forest, units, steps, stack_size, rows_of_unit, terms_of_unit)
+
+
+def _bucket(keys: np.ndarray, n: int) -> list[np.ndarray]:
+    order = np.argsort(keys, kind="stable")
+    bounds = np.searchsorted(keys[order], np.arange(n + 1))
+    return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+
+def unit_layout(forest: PrefixForest, unit: Unit) -> dict[str, np.ndarray | int]:
+    """Unit-local arrays: tokens, depths, varlen segments with keys as K/V-stack slots, mask rule.
+
+    Stack slot of a prefix token = its depth (pushed nodes sit at their depths); the unit's own
+    tokens go to slots ``depth + (packed index - start)``.
+    """
+    a, b, d = unit.start, unit.end, unit.depth
+    cu_q = forest.cu_seqlens_q[unit.node_lo : unit.node_hi + 1].astype(np.int64)
+    cu_k = forest.cu_seqlens_k[unit.node_lo : unit.node_hi + 1].astype(np.int64)
+    seg = forest.kv_index[cu_k[0] : cu_k[-1]]
+    slots = np.where(seg < a, forest.position_ids[seg], d + seg - a)
+    q_len = np.diff(cu_q)
+    k_len = np.diff(cu_k)
+    return {
+        "tokens": forest.tokens[a:b],
+        "position_ids": forest.position_ids[a:b],
+        "subtree_end": np.minimum(forest.subtree_end[a:b], b) - a,
+        "kv_slots": slots,
+        "cu_seqlens_q": (cu_q - cu_q[0]).astype(np.int32),
+        "cu_seqlens_k": (cu_k - cu_k[0]).astype(np.int32),
+        "max_seqlen_q": int(q_len.max()),
+        "max_seqlen_k": int(k_len.max()),
+    }
