@@ -39,10 +39,11 @@ def assert_grads_close(tree: dict, ref: dict, rtol: float = GRAD_RTOL) -> None:
 
     A gradient that is mathematically zero (e.g. q_proj on a constant sequence, where attention
     cannot depend on the scores) is pure fp32 rounding noise, and dividing by its norm measures
-    nothing; the denominator is therefore floored at 1% of the largest parameter gradient's norm.
+    nothing; the denominator is therefore floored at 10% of the largest parameter gradient's norm
+    (such a parameter must still match to 1e-6 of the model's gradient scale).
     """
     assert tree.keys() == ref.keys(), sorted(set(tree) ^ set(ref))
-    floor = 1e-2 * max(g.norm() for g in ref.values()).clamp_min(1e-30)
+    floor = 0.1 * max(g.norm() for g in ref.values()).clamp_min(1e-30)
     for name, g in ref.items():
         err = ((tree[name] - g).norm() / torch.maximum(g.norm(), floor)).item()
         assert err <= rtol, f"{name}: relative gradient error {err:.3e} > {rtol}"

@@ -70,8 +70,10 @@ def test_bad_mode_backend_temperature_loss(qwen2):
     seqs = [[1, 2, 3]]
     with pytest.raises(ValueError, match="unknown mode"):
         tree_logprobs(qwen2, seqs, mode="bfs")
-    with pytest.raises(NotImplementedError, match="dfs"):
-        tree_logprobs(qwen2, seqs, mode="dfs")
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        tree_backward(qwen2, seqs, loss, mode="dfs", chunk_size=0)
+    with pytest.raises(ValueError, match="not available in mode='dfs'"):
+        tree_logprobs(qwen2, seqs, mode="dfs", attn_backend="flex")
     with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
         tree_logprobs(qwen2, seqs, attn_backend="xformers")
     with pytest.raises(ValueError, match="needs a CUDA device"):

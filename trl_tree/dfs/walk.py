@@ -91,7 +91,8 @@ class DepthFirstWalk:
         every layer's attention (where descendants' K/V gradients enter) even with no terms."""
         logp, _ = self._score(u, hidden, False)
         terms = self.plan.terms_of_unit[u]
-        anchor = hidden.sum() * 0
+        # zero-valued, but connects every layer and the LM head like the untreed graph does
+        anchor = hidden.sum() * 0 + logp.sum() * 0
         if terms.shape[0] == 0:
             return anchor.float()
         local = torch.from_numpy(self.row_pos[self.scoring.gather[terms]]).to(self.device)

@@ -1,0 +1,143 @@
+"""mode="dfs": the depth-first walk equals the untreed computation and the packed mode (fp32, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_exactness import WORKLOADS
+
+from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.dfs.plan import plan_walk
+from trl_tree.reference import untreed_backward, untreed_logprobs
+from trl_tree.tiny import random_tree, tiny_model
+
+
+def deep_tree(levels: int = 7, vocab: int = 96, seed: int = 0) -> list[list[int]]:
+    """Trajectories branching at every level (a binary tree ``levels`` deep, turns of 2-5 tokens)."""
+    rng = np.random.default_rng(seed)
+    paths = [rng.integers(0, vocab, 6).tolist()]
+    for level in range(levels):
+        paths = [p + rng.integers(0, vocab, int(rng.integers(2, 6))).tolist() for p in paths for _ in range(2)]
+        if level % 3 == 2:  # some trajectories stop early: sequences ending at inner nodes
+            paths.append(paths[0][: len(paths[0]) - 1])
+    return paths[:40]
+
+
+def check_dfs(model, seqs, backend="sdpa", chunk_size=None, keep_graph=False, score_from=None):
+    ref = untreed_logprobs(model, seqs, score_from=score_from)
+    assert_logps_close(tree_logprobs(model, seqs, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
+                                     score_from=score_from), ref)
+    model.zero_grad(set_to_none=True)
+    loss = tree_backward(model, seqs, weighted_loss, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
+                         keep_graph=keep_graph, score_from=score_from)
+    g_dfs = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss_packed = tree_backward(model, seqs, weighted_loss, mode="packed", attn_backend=backend,
+                                score_from=score_from)
+    g_packed = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss_ref = untreed_backward(model, seqs, weighted_loss, score_from=score_from)
+    g_ref = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-5)
+    assert loss == pytest.approx(loss_packed, rel=1e-5, abs=1e-5)
+    assert_grads_close(g_dfs, g_ref)
+    assert_grads_close(g_dfs, g_packed)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_part1_workloads(qwen2, workload, backend):
+    check_dfs(qwen2, WORKLOADS[workload], backend)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7])
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_chunks_cut_nodes_at_odd_places(qwen2, chunk_size, keep_graph):
+    check_dfs(qwen2, WORKLOADS["grpo_group"] + WORKLOADS["prefix_of_another"], chunk_size=chunk_size,
+              keep_graph=keep_graph)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_deep_tree(qwen2, chunk_size):
+    seqs = deep_tree()
+    forest = PrefixForest.from_sequences(seqs)
+    depth = np.zeros(forest.num_nodes, dtype=int)
+    for v, p in enumerate(forest.node_parent):
+        depth[v] = depth[p] + 1 if p >= 0 else 1
+    assert depth.max() >= 6
+    check_dfs(qwen2, seqs, chunk_size=chunk_size, score_from=[3] * len(seqs))
+
+
+def test_gradient_checkpointing():
+    """HF gradient checkpointing (TRL's default) re-runs each layer in backward: the prefix must survive."""
+    for reentrant in (True, False):
+        model = tiny_model("llama")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4)
+        check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4, keep_graph=True)
+
+
+def test_peft_lora():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"],
+                                                           init_lora_weights=False))
+    check_dfs(model, WORKLOADS["multi_level"], chunk_size=5)
+
+
+def test_entropy(qwen2):
+    seqs = WORKLOADS["multi_level"]
+    logps, ents = tree_logprobs(qwen2, seqs, mode="dfs", return_entropy=True, temperature=0.8, chunk_size=4)
+    ref_logps, ref_ents = untreed_logprobs(qwen2, seqs, return_entropy=True, temperature=0.8)
+    assert_logps_close(logps, ref_logps)
+    assert_logps_close(ents, ref_ents)
+    assert not any(lp.requires_grad for lp in logps)
+
+
+def test_walk_plan_is_depth_first_and_bounded():
+    seqs = deep_tree()
+    forest = PrefixForest.from_sequences(seqs)
+    plan = plan_walk(forest, forest.scoring_plan(), chunk_size=4)
+    open_units: list[int] = []
+    for step in plan.steps:
+        unit = plan.units[step.unit]
+        if step.op != "pop":
+            # a unit's prefix is exactly the pushed nodes on the stack
+            assert unit.depth == sum(plan.units[u].num_tokens for u in open_units)
+            assert unit.num_tokens <= 4
+        if step.op == "push":
+            open_units.append(step.unit)
+        elif step.op == "pop":
+            assert open_units.pop() == step.unit
+    assert not open_units
+    assert plan.stack_size <= forest.max_depth + 4
+    covered = sorted((u.start, u.end) for u, s in zip(plan.units, plan.units))
+    assert covered[0][0] == 0 and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert covered[-1][1] == forest.num_unique_tokens
+
+
+def test_split_nodes_keeps_the_forest():
+    seqs = random_tree(12, 20, max_len=15, seed=3)
+    forest = PrefixForest.from_sequences(seqs)
+    for size in (1, 2, 5):
+        split = forest.split_nodes(size)
+        assert int(split.node_length.max()) <= size
+        assert np.array_equal(split.tokens, forest.tokens) and np.array_equal(split.subtree_end, forest.subtree_end)
+        assert np.array_equal(split.parent_index, forest.parent_index)
+        assert all(split.sequence(i) == s for i, s in enumerate(seqs))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=10), min_size=1, max_size=8),
+    st.sampled_from([None, 1, 2, 5]),
+    st.booleans(),
+)
+def test_random_forests(qwen2, seqs, chunk_size, keep_graph):
+    check_dfs(qwen2, seqs, chunk_size=chunk_size, keep_graph=keep_graph)
