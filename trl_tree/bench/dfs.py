@@ -1,0 +1,125 @@
+"""Depth-first walk vs packed vs TRL's padded path: time and peak memory (GPU, bf16).
+
+    python -m trl_tree.bench.dfs [--size 1.5b] [--workload grpo|agentic|all] [--out dfs.json]
+
+Workloads: the GRPO group of ``bench.packed`` (G=16, prompt 2048, completion 512) and a deep
+agentic tree (4.8k-token system prompt and a shared first turn, then turns branching at tool
+calls, 16 trajectories of 8.65k tokens, T/U ≈ 9.4). ``longest_single`` is TRL's path on the
+longest sequence alone: the memory the DFS target is measured against (≤ 1.2×).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from .. import PrefixForest, tree_backward
+from ..tiny import grpo_group, shaped_config
+from .common import dump, environment, time_cuda
+
+
+def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(600, 400, 300, 150),
+                 seed: int = 0) -> list[list[int]]:
+    """Trajectories sharing a system prompt and a first turn, branching in two at each later turn."""
+    rng = np.random.default_rng(seed)
+    paths = [rng.integers(0, vocab, system + first_turn).tolist()]
+    for length in turns:
+        paths = [p + rng.integers(0, vocab, length).tolist() for p in paths for _ in range(2)]
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--workload", default="all", choices=("grpo", "agentic", "all"))
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = shaped_config(args.size)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    model.train()
+    add_fused_lm_head(model)
+
+    workloads = {}
+    if args.workload in ("grpo", "all"):
+        workloads["grpo_g16_p2048_c512"] = (grpo_group(2048, 512, 16, config.vocab_size, seed=0), 2048)
+    if args.workload in ("agentic", "all"):
+        workloads["agentic_16x8650"] = (agentic_tree(config.vocab_size), 4800)
+    results = []
+    for name, (seqs, score_from) in workloads.items():
+        forest = PrefixForest.from_sequences(seqs)
+        T, U = forest.num_tokens, forest.num_unique_tokens
+        adv = torch.from_numpy(np.random.default_rng(1).standard_normal(len(seqs))).float().cuda()
+        n_terms = sum(len(s) - score_from for s in seqs)
+
+        def token_loss(lp, seq_idx, pos):
+            return -lp * adv[seq_idx] / n_terms
+
+        def padded(batch_seqs, batch_adv):
+            width = max(map(len, batch_seqs))
+            ids = torch.zeros(len(batch_seqs), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(batch_seqs):
+                ids[i, : len(s)] = torch.tensor(s)
+                mask[i, : len(s)] = 1
+            ids, mask = ids.cuda(), mask.cuda()
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :score_from] = -100
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                (-(out.log_probs * batch_adv[:, None]).sum() / n_terms).backward()
+            return step
+
+        def tree(mode, **kw):
+            def step():
+                model.zero_grad(set_to_none=True)
+                tree_backward(model, seqs, token_loss, mode=mode, score_from=score_from, **kw)
+            return step
+
+        longest = int(np.argmax([len(s) for s in seqs]))
+        paths = {
+            "trl_padded": padded(seqs, adv),
+            "longest_single": padded([seqs[longest]], adv[longest : longest + 1]),
+            "packed": tree("packed"),
+            "dfs": tree("dfs"),
+            "dfs keep_graph": tree("dfs", keep_graph=True),
+            "dfs chunk 1024": tree("dfs", chunk_size=1024),
+        }
+        rows = []
+        for path, fn in paths.items():
+            torch.cuda.empty_cache()
+            try:
+                ms, peak = time_cuda(fn, warmup=1, iters=args.iters)
+                rows.append({"path": path, "ms": round(ms, 1), "peak_gib": round(peak, 3)})
+            except torch.OutOfMemoryError:
+                rows.append({"path": path, "error": "out of memory"})
+            print(name, rows[-1], flush=True)
+        base = next(r for r in rows if r["path"] == "trl_padded")
+        single = next(r for r in rows if r["path"] == "longest_single")
+        for r in rows:
+            if "ms" in r and "ms" in base:
+                r["speedup"] = round(base["ms"] / r["ms"], 3) if r["path"] != "longest_single" else None
+                r["peak_over_longest_single"] = round(r["peak_gib"] / single["peak_gib"], 3) if "peak_gib" in single else None
+        results.append({"workload": name, "T": T, "U": U, "T_over_U": round(T / U, 3), "max_depth": forest.max_depth,
+                        "num_sequences": len(seqs), "rows": rows})
+        print(f"\n{name}: T={T} U={U} T/U={T / U:.2f} longest={forest.max_depth}")
+        for r in rows:
+            print(f"  {r}")
+    dump(args.out, {"environment": environment(), "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, "
+                    "gradient checkpointing", "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
