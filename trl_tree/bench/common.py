@@ -15,11 +15,21 @@ from dataclasses import dataclass
 import torch
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> tuple[float, float]:
-    """Median milliseconds of ``fn`` over ``iters`` runs after ``warmup``, and its peak memory (GiB)."""
+def time_cuda(
+    fn: Callable[[], object], warmup: int = 2, iters: int = 5, reset: Callable[[], object] | None = None
+) -> tuple[float, float]:
+    """Median milliseconds of ``fn`` over ``iters`` runs after ``warmup``, and its peak memory (GiB).
+
+    Peak memory is measured above what is allocated after ``reset`` (pass one that drops the
+    gradients, e.g. ``model.zero_grad(set_to_none=True)``): it then counts the step's gradients,
+    activations and temporaries, everything above the weights.
+    """
     for _ in range(warmup):
         fn()
+    if reset is not None:
+        reset()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     times = []

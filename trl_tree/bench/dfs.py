@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="all", choices=("grpo", "agentic", "all"))
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", default=None, help="write per-kernel tables of the tree paths here")
     args = parser.parse_args(argv)
     from trl.trainer.utils import add_fused_lm_head
 
@@ -100,11 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         for path, fn in paths.items():
             torch.cuda.empty_cache()
             try:
-                ms, peak = time_cuda(fn, warmup=1, iters=args.iters)
+                ms, peak = time_cuda(fn, warmup=1, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
                 rows.append({"path": path, "ms": round(ms, 1), "peak_gib": round(peak, 3)})
             except torch.OutOfMemoryError:
                 rows.append({"path": path, "error": "out of memory"})
             print(name, rows[-1], flush=True)
+        if args.profile:
+            from .packed import profile_steps
+
+            profile_steps(f"{args.profile}.{name}.txt", {k: v for k, v in paths.items() if k in ("packed", "dfs")})
         base = next(r for r in rows if r["path"] == "trl_padded")
         single = next(r for r in rows if r["path"] == "longest_single")
         for r in rows:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     def record(name, fn, flop_limit, cost):
         torch.cuda.empty_cache()
         try:
-            ms, peak = time_cuda(fn, iters=args.iters)
+            ms, peak = time_cuda(fn, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
             print(f"{name}: out of memory", flush=True)

@@ -32,6 +32,28 @@ def packed_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def dfs_table(payload: dict) -> str:
+    env = payload["environment"]
+    out = [f"{payload['model']}; {env['device']}, torch {env['torch']}, transformers {env['transformers']}", ""]
+    for w in payload["results"]:
+        out += [
+            f"**{w['workload']}**: {w['num_sequences']} sequences, T={w['T']}, U={w['U']}, T/U={w['T_over_U']:.2f}, "
+            f"longest {w['max_depth']} tokens",
+            "",
+            "| path | ms | speed-up vs TRL padded | peak GiB | peak ÷ longest single |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for r in w["rows"]:
+            if "ms" not in r:
+                out.append(f"| {r['path']} | {r.get('error')} | | | |")
+                continue
+            speed = f"{r['speedup']:.2f}" if r.get("speedup") else "—"
+            ratio = f"{r['peak_over_longest_single']:.2f}" if r.get("peak_over_longest_single") else "—"
+            out.append(f"| {r['path']} | {r['ms']:.1f} | {speed} | {r['peak_gib']:.2f} | {ratio} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
@@ -41,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             payload = json.load(f)
         if "workload" in payload and "rows" in payload:
             print(packed_table(payload) + "\n")
+        elif "results" in payload and "model" in payload:
+            print(dfs_table(payload))
     return 0
 
 
