@@ -33,12 +33,6 @@ def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
 
 
-def test_check_gpu_script_on_cpu(tmp_path):
-    from trl_tree.bench import check_gpu
-
-    assert check_gpu.main(["--device", "cpu", "--out", str(tmp_path / "check.json")]) == 0
-
-
 def test_flop_limit_of_a_grpo_group_is_below_t_over_u():
     """Completions are scored either way, so a GRPO group's FLOP limit sits below T/U (0.76 T/U here
     for 0.5B, G=16, P=2048, C=512, counting the fused head's backward recompute; DESIGN quotes ~0.86

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import PrefixForest, tree_backward, tree_logprobs
-from .reference import untreed_logprobs
+from .reference import right_pad, untreed_logprobs
 from .tiny import grpo_group, tiny_model
 
 
@@ -33,12 +33,7 @@ def agentic_tree(vocab: int, system: int = 96, turns: int = 4, branches: int = 2
 
 def _padded_step(model, seqs, loss_weight) -> float:
     """Untreed forward+backward as TRL runs it: right-padded batch, the model's own attention."""
-    width = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
+    ids, mask = right_pad(seqs)
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = -(lp * mask[:, 1:] * loss_weight).sum()

@@ -31,6 +31,15 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
+def check_loss_terms(terms: object, logp: torch.Tensor) -> None:
+    """``token_loss`` must return one term per log-prob; anything else would be summed wrongly."""
+    if not isinstance(terms, torch.Tensor) or terms.shape != logp.shape:
+        raise ValueError(
+            f"token_loss must return one loss term per log-prob (a tensor of shape {tuple(logp.shape)}), got "
+            f"{tuple(terms.shape) if isinstance(terms, torch.Tensor) else type(terms).__name__}"
+        )
+
+
 def _check_temperature(temperature: float) -> None:
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
@@ -205,11 +214,7 @@ def tree_backward(
         seq_idx = torch.from_numpy(plan.seq_idx).to(device)
         pos = torch.from_numpy(plan.pos).to(device)
         terms = token_loss(logp, seq_idx, pos)
-        if not isinstance(terms, torch.Tensor) or terms.shape != logp.shape:
-            raise ValueError(
-                f"token_loss must return one loss term per log-prob (a tensor of shape {tuple(logp.shape)}), got "
-                f"{tuple(terms.shape) if isinstance(terms, torch.Tensor) else type(terms).__name__}"
-            )
+        check_loss_terms(terms, logp)
         loss = terms.sum()
         if loss.requires_grad:
             loss.backward()

@@ -15,6 +15,17 @@ from ._inputs import SequenceLike, normalize_score_from, normalize_sequences
 from .model_parts import model_parts
 
 
+def right_pad(seqs: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a right-padded batch (pad id 0), as TRL's padded path runs it."""
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.as_tensor(s)
+        mask[i, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def untreed_logprobs(
     model: torch.nn.Module,
     seqs: Sequence[SequenceLike],

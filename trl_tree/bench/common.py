@@ -44,6 +44,27 @@ def time_cuda(
     return statistics.median(times), peak
 
 
+def bench_model(size: str) -> torch.nn.Module:
+    """A Qwen2.5-``size``-shaped model, random init on the GPU, bf16, gradient checkpointing on and
+    TRL's fused LM head added (the padded baseline uses it; the tree engine calls the original
+    forward), in train mode — how TRL trains it."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from ..tiny import shaped_config
+
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(shaped_config(size), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    model.train()
+    add_fused_lm_head(model)
+    return model
+
+
 @dataclass
 class StepCost:
     """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and

@@ -14,11 +14,11 @@ import argparse
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from .. import PrefixForest, tree_backward
-from ..tiny import grpo_group, shaped_config
-from .common import dump, environment, time_cuda
+from ..reference import right_pad
+from ..tiny import grpo_group
+from .common import bench_model, dump, environment, time_cuda
 
 
 def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(600, 400, 300, 150),
@@ -39,16 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, help="write per-kernel tables of the tree paths here")
     args = parser.parse_args(argv)
-    from trl.trainer.utils import add_fused_lm_head
-
-    config = shaped_config(args.size)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable()
-    model.train()
-    add_fused_lm_head(model)
+    model = bench_model(args.size)
+    config = model.config
 
     workloads = {}
     if args.workload in ("grpo", "all"):
@@ -66,13 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             return -lp * adv[seq_idx] / n_terms
 
         def padded(batch_seqs, batch_adv):
-            width = max(map(len, batch_seqs))
-            ids = torch.zeros(len(batch_seqs), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(batch_seqs):
-                ids[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = 1
-            ids, mask = ids.cuda(), mask.cuda()
+            ids, mask = right_pad(batch_seqs, "cuda")
             labels = ids.masked_fill(mask == 0, -100)
             labels[:, :score_from] = -100
 

@@ -23,12 +23,11 @@ import argparse
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from .. import PrefixForest, tree_backward
 from ..attention.backends import backend_available
-from ..tiny import grpo_group, shaped_config
-from .common import StepCost, dump, environment, step_flops, time_cuda
+from ..tiny import grpo_group
+from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,18 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, help="write per-kernel CUDA time tables (torch profiler) here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA device")
-    from trl.trainer.utils import add_fused_lm_head
-
-    config = shaped_config(args.size)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable()
-    model.train()
-    add_fused_lm_head(model)  # TRL's own head for the baseline; the tree engine calls the original forward
+    model = bench_model(args.size)
+    config = model.config
 
     G, P, C = args.group, args.prompt, args.completion
     seqs = grpo_group(P, C, G, config.vocab_size, seed=0)

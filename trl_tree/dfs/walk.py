@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..attention.dispatch import install
+from ..engine import check_loss_terms, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions
 from ..model_parts import ModelParts
@@ -72,8 +73,6 @@ class DepthFirstWalk:
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
-        from ..engine import tree_forward
-
         unit = self.plan.units[u]
         layout = unit_layout(self.plan.forest, unit)
         meta = UnitAttentionMetadata.build(layout, self.stack, unit.depth, self.plan.forest.max_depth,
@@ -100,11 +99,7 @@ class DepthFirstWalk:
         seq_idx = torch.from_numpy(self.scoring.seq_idx[terms]).to(self.device)
         pos = torch.from_numpy(self.scoring.pos[terms]).to(self.device)
         out = token_loss(lp, seq_idx, pos)
-        if not isinstance(out, torch.Tensor) or out.shape != lp.shape:
-            raise ValueError(
-                f"token_loss must return one loss term per log-prob (a tensor of shape {tuple(lp.shape)}), got "
-                f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-            )
+        check_loss_terms(out, lp)
         return out.sum() + anchor
 
     # ------------------------------------------------------------------ walks
