@@ -141,3 +141,29 @@ def test_split_nodes_keeps_the_forest():
 )
 def test_random_forests(qwen2, seqs, chunk_size, keep_graph):
     check_dfs(qwen2, seqs, chunk_size=chunk_size, keep_graph=keep_graph)
+
+
+def test_auto_mode_picks_from_the_memory_budget(qwen2):
+    from trl_tree.cost_model import choose_mode, estimate_bytes
+
+    seqs = deep_tree()
+    forest = PrefixForest.from_sequences(seqs)
+    config = qwen2.config
+    packed_bytes = estimate_bytes(config, forest.num_unique_tokens, False)
+    assert choose_mode(forest, config, packed_bytes, False).mode == "packed"
+    small = choose_mode(forest, config, packed_bytes // 3, False)
+    assert small.mode == "dfs" and small.chunk_size < forest.num_unique_tokens
+    assert small.estimated_bytes <= packed_bytes // 3
+    # a larger budget never gets a smaller chunk (fewer, larger calls when memory allows)
+    chunks = [choose_mode(forest, config, packed_bytes * f // 10, False).chunk_size or 10**9 for f in range(2, 11)]
+    assert chunks == sorted(chunks)
+    # exact whichever it picks
+    for budget in (packed_bytes, packed_bytes // 3):
+        qwen2.zero_grad(set_to_none=True)
+        tree_backward(qwen2, seqs, weighted_loss, mode="auto", memory_budget=budget)
+        g = grads_of(qwen2)
+        qwen2.zero_grad(set_to_none=True)
+        untreed_backward(qwen2, seqs, weighted_loss)
+        assert_grads_close(g, grads_of(qwen2))
+        assert_logps_close(tree_logprobs(qwen2, seqs, mode="auto", memory_budget=budget), untreed_logprobs(qwen2, seqs))
+    qwen2.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts, capture_last_hidden_state, model_parts
 
-MODES = ("packed", "dfs")
+MODES = ("packed", "dfs", "auto")
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -125,6 +125,21 @@ def _check_chunk_size(chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
+def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size: int | None,
+                  memory_budget: int | None) -> tuple[str, int | None]:
+    """``mode="auto"``: packed when its activations fit the memory budget, else dfs (cost_model)."""
+    if mode != "auto":
+        return mode, chunk_size
+    from .cost_model import choose_mode, default_memory_budget
+
+    budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
+    if budget is None:
+        return "packed", chunk_size
+    checkpointing = bool(getattr(parts.causal_lm, "is_gradient_checkpointing", False))
+    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing)
+    return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
+
+
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
               chunk_size: int | None):
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
@@ -142,6 +157,7 @@ def tree_logprobs(
     return_entropy: bool = False,
     score_from: int | Sequence[int] | None = None,
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -153,12 +169,15 @@ def tree_logprobs(
 
     ``mode="packed"``: one forward over the unique tokens; differentiable. ``mode="dfs"``: a
     depth-first walk with a K/V stack (memory bounded by the longest path and ``chunk_size``);
-    forward only, the result carries no graph.
+    forward only, the result carries no graph. ``mode="auto"``: packed if its activations fit
+    ``memory_budget`` bytes (default: 80% of the free GPU memory; unlimited on CPU), else dfs with
+    the largest chunk that fits (``trl_tree.cost_model``).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
     parts, forest = prepare(model, seqs)
+    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         logp_rows, ent_rows = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).logprobs(
@@ -186,6 +205,7 @@ def tree_backward(
     score_from: int | Sequence[int] | None = None,
     chunk_size: int | None = None,
     keep_graph: bool = False,
+    memory_budget: int | None = None,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -198,6 +218,7 @@ def tree_backward(
     ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
     are cut, small sibling subtrees grouped up to it); ``keep_graph=True`` keeps each pushed
     node's graph until its backward instead of recomputing it (faster, memory of the whole path).
+    ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``.
     """
     _check_mode(mode)
     _check_temperature(temperature)
@@ -205,6 +226,7 @@ def tree_backward(
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
     parts, forest = prepare(model, seqs)
+    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         return _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).backward(token_loss, keep_graph)
