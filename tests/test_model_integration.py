@@ -97,3 +97,28 @@ def test_gather_rows_backward_sums_in_fp32():
     _GatherRows.apply(xb, many).backward(grad)
     # 4096 additions of 1e-3 in bf16 would stall far below 4.096; fp32 accumulation does not
     assert xb.grad[0].float().sub(4.096).abs().max() < 0.02
+
+
+def test_flash_adapter_calls_the_varlen_api(monkeypatch):
+    """The flash-attn adapter (not runnable here: no CUDA, no flash-attn) gets FA2-style arguments,
+    filtered to what the installed function accepts (FA4's ``flash_attn.cute`` has fewer)."""
+    from trl_tree.attention import backends
+    from trl_tree.attention.metadata import TreeAttentionMetadata
+    from trl_tree.forest import PrefixForest
+
+    seen = {}
+
+    def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False):  # FA4-like
+        seen.update(q=q.shape, k=k.shape, causal=causal, scale=softmax_scale, cu_k=cu_seqlens_k.tolist())
+        return torch.zeros_like(q), None
+
+    backends._flash_attn_varlen.cache_clear()
+    backends._flash_kwargs_accepted.cache_clear()
+    monkeypatch.setattr(backends, "_flash_attn_varlen", lambda: (fake_varlen, "fa4"))
+    forest = PrefixForest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    meta = TreeAttentionMetadata.from_forest(forest, torch.device("cpu"), "flash")
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)
+    out = backends.flash_tree_attention(q, k, k.clone(), meta, 0.5)
+    assert out.shape == (1, 4, 4, 8)
+    assert seen == {"q": (4, 4, 8), "k": (8, 2, 8), "causal": True, "scale": 0.5, "cu_k": [0, 2, 5, 8]}
+    backends._flash_kwargs_accepted.cache_clear()

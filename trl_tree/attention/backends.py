@@ -156,20 +156,32 @@ def _flash_attn_varlen() -> tuple[Callable, str]:
     raise ImportError("attn_backend='flash' needs the flash-attn package: pip install 'trl-tree[flash]'")
 
 
+@functools.cache
+def _flash_kwargs_accepted() -> frozenset[str] | None:
+    """Keyword names the installed varlen function takes (FA4's ``flash_attn.cute`` differs from FA2)."""
+    import inspect
+
+    params = inspect.signature(_flash_attn_varlen()[0]).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
 def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
     fn, _ = _flash_attn_varlen()
     kv_index = meta.kv_index  # flash-attn handles GQA natively
-    out = fn(
-        _packed(q),
-        _GatherRows.apply(_packed(k), kv_index),
-        _GatherRows.apply(_packed(v), kv_index),
-        cu_seqlens_q=meta.cu_seqlens_q,
-        cu_seqlens_k=meta.cu_seqlens_k,
-        max_seqlen_q=meta.max_seqlen_q,
-        max_seqlen_k=meta.max_seqlen_k,
-        softmax_scale=scaling,
-        causal=True,
-    )
+    kwargs = {
+        "cu_seqlens_q": meta.cu_seqlens_q,
+        "cu_seqlens_k": meta.cu_seqlens_k,
+        "max_seqlen_q": meta.max_seqlen_q,
+        "max_seqlen_k": meta.max_seqlen_k,
+        "softmax_scale": scaling,
+        "causal": True,
+    }
+    accepted = _flash_kwargs_accepted()
+    if accepted is not None:
+        kwargs = {name: value for name, value in kwargs.items() if name in accepted}
+    out = fn(_packed(q), _GatherRows.apply(_packed(k), kv_index), _GatherRows.apply(_packed(v), kv_index), **kwargs)
     if isinstance(out, tuple):  # FA4 returns (out, lse)
         out = out[0]
     return out.unsqueeze(0)
