@@ -58,10 +58,10 @@ def untreed_backward(
 ) -> float:
     """Same contract as :func:`trl_tree.tree_backward`, one sequence at a time, no tree."""
     logps = untreed_logprobs(model, seqs, temperature=temperature, score_from=score_from)
+    firsts = normalize_score_from(score_from, [len(s) for s in seqs]).tolist()
     total = 0.0
-    for i, lp in enumerate(logps):
+    for i, (lp, first) in enumerate(zip(logps, firsts)):
         n = lp.shape[0]
-        first = normalize_score_from(score_from, [len(s) for s in seqs])[i]
         pos = torch.arange(first - 1, first - 1 + n, device=lp.device)
         seq_idx = torch.full((n,), i, dtype=torch.long, device=lp.device)
         loss = token_loss(lp, seq_idx, pos).sum()

@@ -85,7 +85,7 @@ def _scatter_sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) ->
     return _scatter_sum_rows_fp32(grad, index, num_rows).to(grad.dtype)
 
 
-def _packed(x: torch.Tensor) -> torch.Tensor:
+def to_varlen(x: torch.Tensor) -> torch.Tensor:
     """HF ``[1, heads, U, D]`` to varlen ``[U, heads, D]``."""
     return x[0].transpose(0, 1).contiguous()
 
@@ -139,7 +139,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
 
 def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
     out = _TorchFlashTreeAttention.apply(
-        _packed(q), _packed(k), _packed(v), meta.kv_index, meta.cu_seqlens_q, meta.cu_seqlens_k,
+        to_varlen(q), to_varlen(k), to_varlen(v), meta.kv_index, meta.cu_seqlens_q, meta.cu_seqlens_k,
         meta.max_seqlen_q, meta.max_seqlen_k, scaling,
     )
     return out.unsqueeze(0)
@@ -181,7 +181,7 @@ def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -
     accepted = _flash_kwargs_accepted()
     if accepted is not None:
         kwargs = {name: value for name, value in kwargs.items() if name in accepted}
-    out = fn(_packed(q), _GatherRows.apply(_packed(k), kv_index), _GatherRows.apply(_packed(v), kv_index), **kwargs)
+    out = fn(to_varlen(q), _GatherRows.apply(to_varlen(k), kv_index), _GatherRows.apply(to_varlen(v), kv_index), **kwargs)
     if isinstance(out, tuple):  # FA4 returns (out, lse)
         out = out[0]
     return out.unsqueeze(0)

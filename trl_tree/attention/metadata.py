@@ -19,6 +19,12 @@ from ..forest import PrefixForest
 TREE_KWARG = "trl_tree_attention"
 
 
+def tree_visibility(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` bool: query q sees key k iff ``k <= q < subtree_end[k]`` (packed DFS pre-order)."""
+    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
+
+
 @dataclass(eq=False)
 class TreeAttentionMetadata:
     """Packed-layout tensors of one forest on one device, plus the chosen attention backend."""
@@ -64,9 +70,7 @@ class TreeAttentionMetadata:
         """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends)."""
         mask = self._cache.get("dense")
         if mask is None:
-            idx = torch.arange(self.num_tokens, device=self.subtree_end.device)
-            q, k = idx[:, None], idx[None, :]
-            mask = (k <= q) & (q < self.subtree_end[None, :])
+            mask = tree_visibility(self.subtree_end)
             self._cache["dense"] = mask
         return mask
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.backends import flash_varlen_backward, flash_varlen_forward, masked_attention
+from ..attention.backends import flash_varlen_backward, flash_varlen_forward, masked_attention, to_varlen
+from ..attention.metadata import tree_visibility
 
 
 class KVStack:
@@ -45,9 +46,6 @@ class KVStack:
             self.dk[layer] = torch.zeros(self.k[layer].shape, dtype=torch.float32, device=self.k[layer].device)
             self.dv[layer] = torch.zeros_like(self.dk[layer])
         return self.dk[layer], self.dv[layer]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.dk + self.dv if t is not None)
 
 
 @dataclass(eq=False)
@@ -92,19 +90,15 @@ class UnitAttentionMetadata:
     def dense_mask(self) -> torch.Tensor:
         """``[n, depth + n]``: every query sees the whole prefix, and the tree rule inside the unit."""
         if self._mask is None:
-            n, d = self.num_tokens, self.depth
-            idx = torch.arange(n, device=self.subtree_end.device)
-            q, k = idx[:, None], idx[None, :]
-            inner = (k <= q) & (q < self.subtree_end[None, :])
-            self._mask = torch.cat([inner.new_ones(n, d), inner], dim=1)
+            inner = tree_visibility(self.subtree_end)
+            self._mask = torch.cat([inner.new_ones(self.num_tokens, self.depth), inner], dim=1)
         return self._mask
 
     def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             raise ValueError(f"{type(module).__name__} has no layer_idx; the depth-first walk needs it to find its K/V")
-        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-        out = _UnitAttention.apply(q, k, v, self, int(layer), scaling)
+        out = _UnitAttention.apply(to_varlen(query), to_varlen(key), to_varlen(value), self, int(layer), scaling)
         return out.unsqueeze(0)
 
 

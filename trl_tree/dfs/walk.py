@@ -39,15 +39,12 @@ def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype
         if backend_available("torch_flash", device, dtype)[0]:
             return "torch_flash"
         return "sdpa"
-    if requested not in DFS_BACKENDS:
-        if requested in ("flash", "flex"):
-            raise ValueError(
-                f"attn_backend={requested!r} is not available in mode='dfs' (its kernel would need the K/V "
-                f"stack interface); use one of {', '.join(DFS_BACKENDS)} or 'auto'"
-            )
-        ok, why = backend_available(requested, device, dtype)
-        raise ValueError(why)
-    ok, why = backend_available(requested, device, dtype)
+    if requested in ("flash", "flex"):
+        raise ValueError(
+            f"attn_backend={requested!r} is not available in mode='dfs' (its kernel would need the K/V "
+            f"stack interface); use one of {', '.join(DFS_BACKENDS)} or 'auto'"
+        )
+    ok, why = backend_available(requested, device, dtype)  # also rejects unknown names
     if not ok:
         raise ValueError(why)
     return requested
@@ -69,15 +66,28 @@ class DepthFirstWalk:
         self.row_pos = np.empty(scoring.num_predictions, dtype=np.int64)
         for rows in self.plan.rows_of_unit:
             self.row_pos[rows] = np.arange(rows.shape[0])
+        # pushed units' metadata, kept from push to pop so the recompute does not rebuild it
+        self._pushed: dict[int, tuple[UnitAttentionMetadata, np.ndarray]] = {}
         install(parts.causal_lm.config._attn_implementation)
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
         unit = self.plan.units[u]
-        layout = unit_layout(self.plan.forest, unit)
-        meta = UnitAttentionMetadata.build(layout, self.stack, unit.depth, self.plan.forest.max_depth,
-                                           self.backend, self.device)
-        return tree_forward(self.parts, layout["tokens"], meta)
+        cached = self._pushed.pop(u, None)
+        if cached is None:
+            layout = unit_layout(self.plan.forest, unit)
+            meta = UnitAttentionMetadata.build(layout, self.stack, unit.depth, self.plan.forest.max_depth,
+                                               self.backend, self.device)
+            cached = (meta, layout["tokens"])
+        meta, tokens = cached
+        meta.calls = 0
+        if unit.pushed:
+            self._pushed[u] = cached
+        return tree_forward(self.parts, tokens, meta)
+
+    def _release(self, u: int) -> None:
+        """A popped unit's metadata is no longer needed."""
+        self._pushed.pop(u, None)
 
     def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool):
         rows = self.plan.rows_of_unit[u]
@@ -111,6 +121,7 @@ class DepthFirstWalk:
         ent = torch.zeros(P, dtype=torch.float32, device=self.device) if with_entropy else None
         for step in self.plan.steps:
             if step.op == "pop":
+                self._release(step.unit)
                 continue
             hidden = self._forward(step.unit)
             rows = torch.from_numpy(self.plan.rows_of_unit[step.unit]).to(self.device)
@@ -140,6 +151,8 @@ class DepthFirstWalk:
             else:
                 with torch.enable_grad():
                     loss = self._unit_loss(u, self._forward(u), token_loss)
+            if step.op == "pop":
+                self._release(u)
             if loss.requires_grad:
                 loss.backward()
             total += loss.detach().double()
