@@ -7,6 +7,18 @@ its unique tokens with tree attention, exactly (see docs/design.md).
 from .engine import tree_backward, tree_logprobs
 from .forest import PrefixForest
 
+
+def __getattr__(name: str):
+    """The trainers import TRL's trainer stack (slow); load them on first use."""
+    if name in _TRAINERS:
+        from . import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_TRAINERS = ("TreeGRPOConfig", "TreeGRPOTrainer", "TreeRLOOConfig", "TreeRLOOTrainer")
+
 __version__ = "0.1.0"
 
-__all__ = ["PrefixForest", "tree_backward", "tree_logprobs", "__version__"]
+__all__ = ["PrefixForest", "tree_backward", "tree_logprobs", "__version__", *_TRAINERS]

@@ -110,3 +110,25 @@ def random_tree(
             seq = rng.integers(0, vocab_size, length).tolist()
         seqs.append(seq)
     return seqs
+
+
+#: characters of ``tiny_tokenizer``'s vocabulary after its three special tokens
+TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()'\""
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer built in memory (``<pad>``=0, ``<eos>``=1, ``<bos>``=2).
+
+    Trainers need a real ``PreTrainedTokenizerFast`` (padding, decoding, eos); one character per
+    token keeps the toy tasks' rewards readable and needs no hub download.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for ch in TINY_CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")

@@ -1,0 +1,230 @@
+"""TreeGRPOTrainer / TreeRLOOTrainer against TRL's trainers: same rollouts, same parameter update.
+
+CPU, tiny Qwen2 saved to disk, SGD, TRL's defaults otherwise (gradient checkpointing on). Each
+comparison asserts the rollouts are identical first, then the update to 1e-5 relative: in fp32 the
+whole update vector (``assert_update_close``); in float64 every parameter's update
+(``assert_grads_close``; see ``trainer_harness`` for why per-parameter checks use float64).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+
+from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreeRLOOConfig, TreeRLOOTrainer  # noqa: E402
+from trl_tree.trainers.grouping import plan_micro_batches, prompt_groups, split_into_calls  # noqa: E402
+from trl_tree.trainers.rows import PaddedRows  # noqa: E402
+
+from conftest import assert_grads_close  # noqa: E402
+from trainer_harness import run, save_tiny_checkpoint  # noqa: E402
+
+KINDS = {
+    "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),
+    "rloo": (RLOOTrainer, RLOOConfig, TreeRLOOTrainer, TreeRLOOConfig),
+}
+_REFERENCE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def assert_update_close(tree: dict, ref: dict, rtol: float = 1e-5) -> None:
+    diff = torch.sqrt(sum(((tree[n] - u) ** 2).sum() for n, u in ref.items()))
+    norm = torch.sqrt(sum((u**2).sum() for u in ref.values()))
+    assert (diff / norm).item() <= rtol, f"relative update error {(diff / norm).item():.3e} > {rtol}"
+
+
+def reference(kind, checkpoint, **overrides):
+    """TRL's own run for these settings, computed once per module."""
+    key = (kind, checkpoint, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+    if key not in _REFERENCE:
+        trl_trainer, trl_config = KINDS[kind][:2]
+        _REFERENCE[key] = run(trl_trainer, trl_config, checkpoint, **overrides)[:2]
+    return _REFERENCE[key]
+
+
+def compare(kind, checkpoint, mode, tree_fields=None, dtype=torch.float64, **overrides):
+    overrides["dtype"] = dtype
+    ref_updates, ref_completions = reference(kind, checkpoint, **overrides)
+    tree_trainer, tree_config = KINDS[kind][2:]
+    updates, completions, trainer = run(
+        tree_trainer, tree_config, checkpoint, tree_mode=mode, **(tree_fields or {}), **overrides
+    )
+    assert completions == ref_completions, "the two trainers did not train on the same rollouts"
+    (assert_grads_close if dtype == torch.float64 else assert_update_close)(updates, ref_updates)
+    return trainer
+
+
+LOSS_SETTINGS = {
+    "grpo": {},
+    "bnpo": {"gradient_accumulation_steps": 1},  # normalised per micro-batch: only one micro-batch is comparable
+    "dr_grpo": {},
+    "dapo": {},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "cispo": {},
+    "sapo": {},
+    "vespo": {},
+}
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+@pytest.mark.parametrize("loss_type", list(LOSS_SETTINGS))
+def test_grpo_loss_types_match_trl(checkpoint, loss_type, mode):
+    """beta > 0 (reference model), num_iterations = 2, gradient accumulation, checkpointing on."""
+    trainer = compare("grpo", checkpoint, mode, loss_type=loss_type, **LOSS_SETTINGS[loss_type])
+    assert trainer.args.gradient_checkpointing
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_fp32_update_matches_trl(checkpoint, kind, mode):
+    compare(kind, checkpoint, mode, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_rloo_matches_trl(checkpoint, mode):
+    compare("rloo", checkpoint, mode)
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_grpo_lora_matches_trl(checkpoint, mode):
+    """LoRA through ``peft_config``; the reference is the base model with the adapter disabled."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    compare("grpo", checkpoint, mode, trainer_kwargs={"peft_config": lora}, learning_rate=0.5)
+
+
+def test_grpo_token_budget_and_dfs_chunks(checkpoint):
+    """A budget smaller than a micro-batch: several calls, two-pass backward; dfs with 3-token chunks."""
+    trainer = compare("grpo", checkpoint, "packed", tree_fields={"tree_token_budget": 40})
+    assert max(trainer.state.log_history[0]["tree/calls"], 0) > 1
+    compare("grpo", checkpoint, "dfs", tree_fields={"tree_token_budget": 64, "tree_chunk_size": 3})
+
+
+def test_grpo_without_checkpointing_and_with_entropy_bonus(checkpoint):
+    """Packed mode differentiates the entropies too (TRL's entropy bonus; normalised per micro-batch,
+    so compared on one micro-batch per step)."""
+    compare("grpo", checkpoint, "packed", gradient_checkpointing=False, entropy_coef=0.05, gradient_accumulation_steps=1)
+
+
+def test_tree_mode_off_is_trl_bit_for_bit(checkpoint):
+    ref_updates, ref_completions = reference("grpo", checkpoint)
+    updates, completions, _ = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="off")
+    assert completions == ref_completions
+    for name, u in ref_updates.items():
+        assert torch.equal(updates[name], u), name
+
+
+def test_metrics_logged(checkpoint):
+    _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, max_steps=1, gradient_accumulation_steps=1)
+    logs = trainer.state.log_history[0]
+    for key in ("tree/dedup_ratio", "tree/unique_tokens", "tree/total_tokens", "tree/fwd_bwd_time"):
+        assert key in logs, key
+    assert logs["tree/total_tokens"] > logs["tree/unique_tokens"] > 0
+    assert logs["tree/dedup_ratio"] == pytest.approx(logs["tree/total_tokens"] / logs["tree/unique_tokens"])
+
+
+def _multi_turn_rollout(prompts, trainer):
+    """Two turns with a tool result between them: pairs of a group share turn 1 and the tool output."""
+    tok = trainer.processing_class
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for i, prompt in enumerate(prompts):
+        pair, member = (i % 4) // 2, i % 2
+        turn1 = tok(f"call tool {pair}")["input_ids"]
+        tool = tok(f" result {pair * 7}")["input_ids"]
+        turn2 = tok(f" answer {'a' * (1 + member + pair)}")["input_ids"] + [tok.eos_token_id]
+        out["prompt_ids"].append(tok(prompt)["input_ids"])
+        out["completion_ids"].append(turn1 + tool + turn2)
+        out["logprobs"].append([0.0] * len(turn1 + tool + turn2))
+        out["env_mask"].append([1] * len(turn1) + [0] * len(tool) + [1] * len(turn2))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_multi_turn_rollouts_share_turns(checkpoint, mode):
+    """``rollout_func`` with a tool mask: trajectories sharing turns share nodes, and train exactly."""
+    settings = dict(trainer_kwargs={"rollout_func": _multi_turn_rollout}, max_completion_length=64)
+    trainer = compare("grpo", checkpoint, mode, **settings)
+    logs = trainer.state.log_history[0]
+    # groups of 4 sharing a prompt only would give T/U < 4 / (1 + 3 * completion/prompt share)
+    prompt_only = _prompt_only_ratio(trainer)
+    assert logs["tree/dedup_ratio"] > prompt_only * 1.1
+
+
+def _prompt_only_ratio(trainer) -> float:
+    """T/U if a group shared its prompt and nothing else (for the multi-turn test)."""
+    tok = trainer.processing_class
+    rollout = _multi_turn_rollout(["count the a letters in banana 0"] * 4, trainer)
+    p = len(rollout["prompt_ids"][0])
+    comps = [len(c) for c in rollout["completion_ids"]]
+    total = sum(p + c for c in comps)
+    del tok
+    return total / (p + sum(comps))
+
+
+# ---------------------------------------------------------------- refusals and unit pieces
+def test_refusals(checkpoint):
+    with pytest.raises(ValueError, match="tree_mode must be one of"):
+        TreeGRPOConfig(output_dir="/tmp/unused", tree_mode="tree")
+    with pytest.raises(ValueError, match="tree_token_budget must be a positive int"):
+        TreeGRPOConfig(output_dir="/tmp/unused", tree_token_budget=0)
+    with pytest.raises(ValueError, match="entropy bonus"):
+        run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="dfs", entropy_coef=0.01, max_steps=0)
+
+
+def test_plain_trl_config_is_accepted(checkpoint):
+    _, _, trainer = run(TreeGRPOTrainer, GRPOConfig, checkpoint, max_steps=1)
+    assert isinstance(trainer.args, TreeGRPOConfig) and trainer.args.tree_mode == "packed"
+
+
+def test_padded_rows_round_trip():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [3, 4, 5, 6, 9, 10, 11]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    rows = PaddedRows.from_padded(ids, mask, 3)
+    assert [s.tolist() for s in rows.sequences] == [[5, 6, 7, 8], [3, 4, 5, 6, 9, 10, 11]]
+    assert rows.score_from == [2, 4]
+    flat = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]
+    out = rows.to_padded([torch.cat(flat[::-1])], [[1, 0]])
+    assert out.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        PaddedRows.from_padded(ids, torch.tensor([[1, 0, 1, 1, 1, 1, 0], [1] * 7]), 3)
+    with pytest.raises(ValueError, match="no prompt token"):
+        PaddedRows.from_padded(ids, torch.tensor([[0, 0, 0, 0, 1, 1, 0], [1] * 7]), 3)
+
+
+def test_group_preserving_plan():
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    for costs in (None, [100, 10, 90, 20]):
+        plan = plan_micro_batches(groups, 2, costs, generator=torch.Generator().manual_seed(1))
+        assert sorted(i for b in plan for i in b) == list(range(16)) and all(len(b) == 8 for b in plan)
+        for b in plan:  # every group whole in one micro-batch
+            assert all(set(g) <= set(b) or not set(g) & set(b) for g in groups)
+    plan = plan_micro_batches(groups, 2, [100, 10, 90, 20], generator=torch.Generator().manual_seed(1))
+    loads = sorted(sum([100, 10, 90, 20][k] for k, g in enumerate(groups) if g[0] in b) for b in plan)
+    assert loads == [110, 110]
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        plan_micro_batches(groups, 3)
+    prompt_ids = torch.tensor([[0, 1, 2], [3, 1, 2], [0, 1, 2], [5, 6, 7]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    assert prompt_groups(prompt_ids, prompt_mask) == [[0, 2], [1], [3]]
+
+
+def test_calls_respect_the_budget():
+    from trl_tree import PrefixForest
+
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 7, 7, 7, 7], [8, 8, 8], [1, 2, 3, 4, 6]]
+    for budget in (3, 6, 9, 12, 100):
+        calls = split_into_calls(seqs, budget)
+        assert sorted(i for c in calls for i in c) == list(range(5))
+        for c in calls:
+            unique = PrefixForest.from_sequences([seqs[i] for i in c]).num_unique_tokens
+            assert unique <= budget or len(c) == 1

@@ -1,0 +1,81 @@
+"""Configs of the tree trainers: TRL's own configs plus the tree fields of DESIGN.md.
+
+The fields live in one mixin dataclass so ``TreeGRPOConfig`` and ``TreeRLOOConfig`` cannot drift
+apart; each config is ``(TRL config, TreeArguments)`` and accepts every argument TRL's does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig, RLOOConfig
+
+TREE_MODES = ("packed", "dfs", "off")
+ATTN_BACKENDS = ("auto", "flash", "torch_flash", "flex", "sdpa", "eager")
+
+
+@dataclass
+class TreeArguments:
+    """Where and how the policy's log-probs go through the prefix tree."""
+
+    tree_mode: str = field(
+        default="packed",
+        metadata={
+            "help": "'packed': one forward+backward over each micro-batch's unique tokens (fastest; activations ~ "
+            "unique tokens). 'dfs': a depth-first walk with a K/V stack, memory bounded by the longest "
+            "sequence (the engine runs the backward; see docs/trainers.md). 'off': exactly TRL's trainer."
+        },
+    )
+    tree_attn_backend: str = field(
+        default="auto",
+        metadata={"help": f"Tree attention kernel, one of {ATTN_BACKENDS}. 'auto': flash-attn, else PyTorch's "
+                  "FlashAttention varlen, else flex on GPU; sdpa on CPU."},
+    )
+    tree_token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Largest number of unique tokens one tree call may hold. Set, it (1) spreads prompt groups over "
+            "the micro-batches by unique-token cost and (2) cuts a heavier micro-batch into several calls whose "
+            "backward runs one after another, so peak memory follows the budget. None: one call per micro-batch."
+        },
+    )
+    tree_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "dfs mode: most tokens one step of the walk runs (long nodes are cut into chunks, small "
+                  "sibling subtrees grouped up to it). None: whole nodes."},
+    )
+    tree_keep_graph: bool = field(
+        default=False,
+        metadata={"help": "dfs mode: keep each node's graph on the way down instead of recomputing it on the way "
+                  "up (faster, memory of the whole path)."},
+    )
+
+    def _check_tree_fields(self) -> None:
+        if self.tree_mode not in TREE_MODES:
+            raise ValueError(f"tree_mode must be one of {TREE_MODES}, got {self.tree_mode!r}")
+        if self.tree_attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"tree_attn_backend must be one of {ATTN_BACKENDS}, got {self.tree_attn_backend!r}")
+        for name in ("tree_token_budget", "tree_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass
+class TreeGRPOConfig(GRPOConfig, TreeArguments):
+    """``trl.GRPOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
+    ``tree_chunk_size``, ``tree_keep_graph``)."""
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        super().__post_init__()
+
+
+@dataclass
+class TreeRLOOConfig(RLOOConfig, TreeArguments):
+    """``trl.RLOOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
+    ``tree_chunk_size``, ``tree_keep_graph``)."""
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        super().__post_init__()

@@ -1,0 +1,119 @@
+"""Group-preserving shuffle and micro-batch forming for a generation batch.
+
+TRL shuffles the rows of a generation batch across prompt groups before cutting it into
+``steps_per_generation`` micro-batches, so a micro-batch usually holds one or two completions of
+each prompt and the tree finds almost nothing to share. Here the rows are grouped by their prompt
+tokens, the *groups* are shuffled (the same stochasticity over which prompts train together), and
+every micro-batch keeps TRL's row count, so TRL's per-micro-batch loss normalisers mean exactly
+what they meant. With a token budget the groups are also spread over the micro-batches by their
+unique-token cost (longest-processing-time first), so no micro-batch is much heavier than another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Row indices grouped by identical (unpadded) prompt, in order of first appearance."""
+    keys: dict[tuple[int, ...], list[int]] = {}
+    ids, mask = prompt_ids.detach().cpu(), prompt_mask.detach().cpu().bool()
+    for i in range(ids.shape[0]):
+        keys.setdefault(tuple(ids[i][mask[i]].tolist()), []).append(i)
+    return list(keys.values())
+
+
+def group_cost(group: list[int], prompt_len: list[int], completion_len: list[int]) -> int:
+    """Unique tokens of one group's forest, up to completions' own shared prefixes."""
+    return prompt_len[group[0]] + sum(completion_len[i] for i in group)
+
+
+def plan_micro_batches(
+    groups: list[list[int]],
+    num_batches: int,
+    costs: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Cut the rows of ``groups`` into ``num_batches`` equal-sized micro-batches, groups kept whole.
+
+    Groups are first put in random order (``torch.randperm``, so the trainer's seed governs it).
+    Without ``costs`` they are laid end to end and cut into equal slices (a group is split only
+    where it straddles a cut). With ``costs`` each group goes, heaviest first, to the lightest
+    micro-batch that still has room for all its rows; a group that fits nowhere whole is spread
+    over the remaining room.
+    """
+    num_rows = sum(len(g) for g in groups)
+    if num_batches < 1 or num_rows % num_batches:
+        raise ValueError(f"{num_rows} rows cannot be cut into {num_batches} equal micro-batches")
+    per_batch = num_rows // num_batches
+    order = torch.randperm(len(groups), generator=generator).tolist()
+    groups = [groups[k] for k in order]
+    if costs is None:
+        flat = [i for g in groups for i in g]
+        return [flat[b * per_batch : (b + 1) * per_batch] for b in range(num_batches)]
+    costs = [costs[k] for k in order]
+    batches: list[list[int]] = [[] for _ in range(num_batches)]
+    load = [0] * num_batches
+    leftovers: list[int] = []
+    for k in sorted(range(len(groups)), key=lambda k: -costs[k]):  # stable: ties keep the random order
+        room = [b for b in range(num_batches) if per_batch - len(batches[b]) >= len(groups[k])]
+        if not room:
+            leftovers.extend(groups[k])
+            continue
+        b = min(room, key=lambda b: load[b])
+        batches[b].extend(groups[k])
+        load[b] += costs[k]
+    for i in leftovers:
+        b = min((b for b in range(num_batches) if len(batches[b]) < per_batch), key=lambda b: load[b])
+        batches[b].append(i)
+    return batches
+
+
+def take_rows(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
+    """Rows ``index`` of every per-row entry of a TRL batch dict; scalars pass unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.index_select(0, torch.tensor(index, device=value.device))
+        elif isinstance(value, (list, tuple)):
+            out[key] = [value[i] for i in index]
+        else:
+            out[key] = value
+    return out
+
+
+def split_into_calls(sequences: list[list[int]], budget: int | None) -> list[list[int]]:
+    """Cut rows into tree calls of at most ``budget`` unique tokens each (all in one call if None).
+
+    Rows are taken in sorted (trie) order, so each call is a run of neighbours and its unique
+    tokens are exactly the sum over its rows of ``len(row) - LCP(row, previous row in the call)``.
+    A row longer than the budget on its own gets a call of its own (the depth-first walk bounds its
+    memory; packed mode cannot do better than one sequence).
+    """
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    if budget is None:
+        return [order] if order else []
+    calls: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        seq = sequences[i]
+        shared = 0
+        if current:
+            prev = sequences[current[-1]]
+            limit = min(len(prev), len(seq))
+            while shared < limit and prev[shared] == seq[shared]:
+                shared += 1
+        cost = len(seq) - shared
+        if current and used + cost > budget:
+            calls.append(current)
+            current, used, cost = [], 0, len(seq)
+        current.append(i)
+        used += cost
+    if current:
+        calls.append(current)
+    return calls

@@ -1,0 +1,218 @@
+"""What ``TreeGRPOTrainer`` and ``TreeRLOOTrainer`` change in TRL's trainers — and nothing else.
+
+Three overrides, shared by both trainers:
+
+* ``_get_per_token_logps_and_entropies`` (TRL's hook for the policy loss forward, the old-policy
+  log-probs and the reference log-probs, including the PEFT reference with the adapter disabled)
+  runs the tree engine on the rows' real tokens instead of the padded batch;
+* ``_prepare_inputs`` cuts the generation batch into micro-batches with a group-preserving shuffle
+  (and, with ``tree_token_budget``, balanced by unique tokens) instead of TRL's row shuffle;
+* ``training_step`` also times the step without generation, logged as ``tree/fwd_bwd_time``.
+
+``tree_mode="off"`` delegates every one of them to TRL (the timing metric aside).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..engine import tree_backward, tree_logprobs
+from ..forest import PrefixForest
+from ..model_parts import model_parts
+from .bridge import bridge
+from .grouping import group_cost, plan_micro_batches, prompt_groups, split_into_calls, take_rows
+from .rows import PaddedRows
+
+MULTIMODAL_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+class TreeTrainerMixin:
+    """Mixed in before a TRL online trainer (``class TreeGRPOTrainer(TreeTrainerMixin, GRPOTrainer)``)."""
+
+    # ------------------------------------------------------------------ construction
+    def _check_tree_support(self) -> None:
+        """Refuse, at construction, what the tree cannot compute exactly — never a wrong number later."""
+        self._tree_step_seconds = 0.0
+        self._tree_prepare_seconds = 0.0
+        args = self.args
+        name = type(self).__name__
+        if args.tree_mode == "off":
+            return
+        if getattr(self, "_is_vlm", False):
+            raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
+        model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"{name}: the MoE load-balancing loss (router_aux_loss_coef != 0) is not computed over the tree; set "
+                "router_aux_loss_coef=0 or tree_mode='off'"
+            )
+        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+        if two_pass and getattr(self, "_entropy_bonus_enabled", False):
+            raise ValueError(
+                f"{name}: an entropy bonus (entropy_coef != 0 or adaptive entropy) needs the gradient of the "
+                "entropies, which the two-pass backward of tree_mode='dfs' / tree_token_budget does not route; use "
+                "tree_mode='packed' without tree_token_budget"
+            )
+        if two_pass and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+            raise ValueError(
+                f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
+                f"gradients themselves, which is done for DDP only, not {self.accelerator.distributed_type.value}; "
+                "use tree_mode='packed' without tree_token_budget"
+            )
+
+    # ------------------------------------------------------------------ micro-batches
+    def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
+        """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
+        start = time.perf_counter()
+        try:
+            if self.args.tree_mode == "off" or not self.model.training:
+                return super()._prepare_inputs(generation_batch)
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:
+                batch = self._generate_and_score_completions(generation_batch)
+                if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
+                    raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
+                groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
+                costs = None
+                if self.args.tree_token_budget is not None:
+                    prompt_len = batch["prompt_mask"].sum(1).tolist()
+                    completion_len = batch["completion_mask"].sum(1).tolist()
+                    costs = [group_cost(g, prompt_len, completion_len) for g in groups]
+                plan = plan_micro_batches(groups, self.args.steps_per_generation, costs)
+                self._buffered_inputs = [take_rows(batch, rows) for rows in plan]
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        finally:
+            self._tree_prepare_seconds += time.perf_counter() - start
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._tree_prepare_seconds = 0.0
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if loss.device.type == "cuda":
+            torch.cuda.synchronize(loss.device)
+        self._tree_step_seconds += time.perf_counter() - start - self._tree_prepare_seconds
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
+            self._tree_step_seconds = 0.0
+        return loss
+
+    # ------------------------------------------------------------------ log-probs
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        if self.args.tree_mode == "off":
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
+            )
+        present = sorted(k for k, v in multimodal.items() if v is not None)
+        if present:
+            raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
+        if compute_aux_loss:
+            raise ValueError(f"{type(self).__name__}: the MoE load-balancing loss is not computed over the tree")
+        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
+        differentiable = torch.is_grad_enabled()
+        calls = self._tree_calls(rows, None if differentiable else batch_size)
+        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        with self.accelerator.autocast():
+            logps, entropies = self._score_calls(model, rows, calls, forests, compute_entropy, two_pass)
+        if two_pass:
+            target = self.accelerator.unwrap_model(model)
+            logps, entropies = bridge(
+                logps, entropies, lambda grad: self._tree_backward(target, rows, calls, forests, grad)
+            )
+        if differentiable:
+            self._log_forests(forests)
+        return logps, entropies, None
+
+    def _tree_calls(self, rows: PaddedRows, batch_size: int | None) -> list[list[int]]:
+        """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
+        TRL's ``batch_size`` chunks bound memory as in TRL (groups kept together by sorting)."""
+        seqs = [s.tolist() for s in rows.sequences]
+        calls = split_into_calls(seqs, self.args.tree_token_budget)
+        if self.args.tree_token_budget is None and batch_size is not None and batch_size < len(seqs):
+            order = calls[0]
+            calls = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        return calls
+
+    def _mode_kwargs(self) -> dict:
+        return dict(
+            mode=self.args.tree_mode,
+            attn_backend=self.args.tree_attn_backend,
+            temperature=self.temperature,
+            chunk_size=self.args.tree_chunk_size,
+        )
+
+    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
+        lps, ents = [], []
+        kwargs = self._mode_kwargs()
+        context = torch.no_grad() if no_graph else torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad()
+        with context:
+            for call, forest in zip(calls, forests):
+                out = tree_logprobs(model, forest, return_entropy=compute_entropy,
+                                    score_from=rows.subset(call)[1], **kwargs)
+                lp, ent = out if compute_entropy else (out, None)
+                lps.append(torch.cat(lp))
+                if ent is not None:
+                    ents.append(torch.cat(ent))
+        logps = rows.to_padded(lps, calls)
+        entropies = rows.to_padded(ents, calls) if compute_entropy else None
+        return logps, entropies
+
+    def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor) -> None:
+        """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp``."""
+        kwargs = self._mode_kwargs()
+        with self.accelerator.autocast():
+            for call, forest in zip(calls, forests):
+                seqs, score_from = rows.subset(call)
+                counts = [len(s) - f for s, f in zip(seqs, score_from)]
+                row_ids = torch.tensor([i for i, c in zip(call, counts) for _ in range(c)], dtype=torch.long)
+                cols = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
+                weights = grad[row_ids.to(grad.device), cols.to(grad.device)].float()
+                offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
+                first = torch.tensor([f - 1 for f in score_from], device=grad.device)
+
+                def token_loss(lp, seq_idx, pos, weights=weights, offsets=offsets, first=first):
+                    return lp * weights[offsets[seq_idx] + pos - first[seq_idx]]
+
+                tree_backward(model, forest, token_loss, score_from=score_from,
+                              keep_graph=self.args.tree_keep_graph, **kwargs)
+        self._sync_gradients(model)
+
+    def _sync_gradients(self, model) -> None:
+        """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward."""
+        if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
+            return
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat)
+            flat /= self.accelerator.num_processes
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _log_forests(self, forests: list[PrefixForest]) -> None:
+        mode = "train" if self.model.training else "eval"
+        total = sum(f.num_tokens for f in forests)
+        unique = sum(f.num_unique_tokens for f in forests)
+        self._metrics[mode]["tree/total_tokens"].append(float(total))
+        self._metrics[mode]["tree/unique_tokens"].append(float(unique))
+        self._metrics[mode]["tree/dedup_ratio"].append(total / max(unique, 1))
+        self._metrics[mode]["tree/calls"].append(float(len(forests)))

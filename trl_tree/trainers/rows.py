@@ -1,0 +1,95 @@
+"""TRL's padded rollout tensors <-> the per-sequence lists the tree engine takes.
+
+TRL keeps a micro-batch as ``prompt_ids`` (left-padded) next to ``completion_ids`` (right-padded),
+concatenated into one ``(B, L)`` matrix with an attention mask, and wants per-token log-probs for
+the last ``logits_to_keep`` columns. The tree needs each row's real tokens only; this module cuts
+them out once and puts the tree's flat result back where TRL's padded computation would have
+written it (padding columns get 0, which TRL masks out of every loss and metric).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PaddedRows:
+    """The real tokens of each row of a padded ``(B, L)`` batch and where their scores go.
+
+    ``sequences[i]`` are row ``i``'s unmasked tokens, ``score_from[i]`` the index (in that list)
+    of its first completion token; ``rows``/``cols`` place the tree's flat scores (sequence order)
+    into the ``(B, logits_to_keep)`` output.
+    """
+
+    sequences: list[torch.Tensor]
+    score_from: list[int]
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> PaddedRows:
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"expected input_ids and attention_mask of one (batch, length) shape, got "
+                f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+            )
+        B, L = input_ids.shape
+        if not 0 < logits_to_keep < L:
+            raise ValueError(f"logits_to_keep must be in [1, {L - 1}] for rows of length {L}, got {logits_to_keep}")
+        first_completion = L - logits_to_keep
+        mask = attention_mask.detach().to("cpu", torch.bool).numpy()
+        ids = input_ids.detach()
+        sequences, score_from, rows, cols = [], [], [], []
+        for i in range(B):
+            real = np.flatnonzero(mask[i])
+            if real.size == 0:
+                raise ValueError(f"row {i} of the batch has no unmasked token")
+            start, stop = int(real[0]), int(real[-1]) + 1
+            if real.size != stop - start:
+                # TRL pads prompts on the left and completions on the right; a hole in the middle
+                # would make position ids (and so the tree) differ from the padded computation
+                raise ValueError(
+                    f"row {i}'s attention mask is not one contiguous run of ones (prompt left-padded, completion "
+                    "right-padded); the tree cannot reproduce such a row. Use tree_mode='off' for this data."
+                )
+            if start >= first_completion:
+                raise ValueError(f"row {i} has no prompt token before its completion; nothing predicts its first token")
+            sequences.append(ids[i, start:stop])
+            n_scored = max(stop - first_completion, 0)
+            score_from.append(stop - start - n_scored)
+            rows.append(np.full(n_scored, i))
+            cols.append(np.arange(n_scored))
+        device = input_ids.device
+        return cls(
+            sequences=sequences,
+            score_from=score_from,
+            rows=torch.from_numpy(np.concatenate(rows)).to(device),
+            cols=torch.from_numpy(np.concatenate(cols)).to(device),
+            shape=(B, logits_to_keep),
+        )
+
+    def subset(self, index: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """Sequences and score offsets of the rows ``index`` (one tree call)."""
+        return [self.sequences[i] for i in index], [self.score_from[i] for i in index]
+
+    def num_scored(self, index: list[int]) -> int:
+        return sum(len(self.sequences[i]) - self.score_from[i] for i in index)
+
+    def to_padded(self, flat_per_call: list[torch.Tensor], calls: list[list[int]]) -> torch.Tensor:
+        """Scatter the tree calls' flat scores (each in its rows' order) into ``(B, logits_to_keep)``.
+
+        Differentiable: ``index_put`` on zeros keeps the graph of ``flat``.
+        """
+        order = [i for call in calls for i in call]
+        flat = torch.cat(flat_per_call) if len(flat_per_call) > 1 else flat_per_call[0]
+        counts = [len(self.sequences[i]) - self.score_from[i] for i in range(len(self.sequences))]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        # positions in self.rows/cols (row-major) of the entries in call order
+        take = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]) if order else np.zeros(0)
+        take = torch.from_numpy(take.astype(np.int64)).to(self.rows.device)
+        out = flat.new_zeros(self.shape)
+        return out.index_put((self.rows.index_select(0, take), self.cols.index_select(0, take)), flat)
