@@ -12,12 +12,20 @@ from trl_tree.bench.common import StepCost, step_flops
 from trl_tree.tiny import shaped_config
 
 
-def test_demo_reports_an_exact_tree():
-    from trl_tree.demo import run
+def test_demo_trains_with_the_tree_and_times_stock_grpo(capsys):
+    from trl_tree.demo import main
 
-    for row in run(repeats=1):
-        assert row["T/U"] > 3
-        assert row["max|dlogp|"] < 1e-5 and row["grad_rel"] < 1e-5
+    assert main(["--steps", "2", "--stock-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "stock GRPO" in out and "tree GRPO" in out and "T/U" in out
+
+
+@pytest.mark.parametrize("script,argv", [("grpo_tree.py", ["--steps", "1", "--mode", "dfs", "--token-budget", "900"]),
+                                         ("grpo_tree_lora.py", ["--steps", "1"])])
+def test_grpo_examples_run(script, argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    runpy.run_path(f"examples/{script}", run_name="__main__")
+    assert "reward" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [[], ["--mode", "dfs", "--chunk-size", "7"]])

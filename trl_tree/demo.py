@@ -1,105 +1,93 @@
-"""The main job on an embedded default: tree vs untreed on a tiny model, CPU, nothing downloaded.
+"""The main job on an embedded default: a short tree GRPO run on CPU, against stock GRPO.
 
     python -m trl_tree            # or: trl-tree-demo
 
-Builds a small Qwen2-shaped model in code and two kinds of rollouts (GRPO groups and an agentic
-multi-turn tree), then prints T, U, T/U, the largest |Δ log-prob| and relative gradient error of
-the packed tree against the untreed per-sequence computation, and the forward+backward time of
-both. The untreed side is the padded batch (how TRL runs it), timed on the same rollouts.
+Builds a tiny Qwen2-shaped policy in code (saved to a temporary directory; nothing downloaded),
+trains it with ``TreeGRPOTrainer`` on a toy task whose reward (the share of the letter 'a' in the
+answer) rises within a few steps, printing per step the reward, the tree's T/U and the time of the
+policy's forward+backward (generation excluded). Then it runs the same steps with
+``tree_mode="off"`` — exactly TRL's ``GRPOTrainer`` — and prints both times per step.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import statistics
+import tempfile
 
-import numpy as np
-import torch
-
-from . import PrefixForest, tree_backward, tree_logprobs
-from .reference import right_pad, untreed_logprobs
-from .tiny import grpo_group, tiny_model
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def agentic_tree(vocab: int, system: int = 96, turns: int = 4, branches: int = 2, turn_len: int = 24,
-                 seed: int = 0) -> list[list[int]]:
-    """Trajectories sharing a system prompt and earlier turns, branching at every tool call."""
-    rng = np.random.default_rng(seed)
-    paths = [rng.integers(0, vocab, system).tolist()]
-    for _ in range(turns):
-        paths = [p + rng.integers(0, vocab, turn_len).tolist() for p in paths for _ in range(branches)]
-    return paths
+def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations: int = 8, seed: int = 0):
+    """One GRPO run on the toy task; returns the Trainer's per-step logs."""
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    from .toy import reward_letter_a, toy_prompts
+    from .trainers import TreeGRPOConfig, TreeGRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    args = TreeGRPOConfig(
+        output_dir=out_dir, tree_mode=mode, max_steps=steps, per_device_train_batch_size=2 * num_generations,
+        num_generations=num_generations, max_completion_length=24, learning_rate=3e-3, beta=0.0,
+        bf16=False, use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, seed=seed,
+    )
+    trainer = TreeGRPOTrainer(
+        model=checkpoint, reward_funcs=reward_letter_a, args=args,
+        train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
+        processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint),
+    )
+    trainer.remove_callback(_printer_class())
+    trainer.train()
+    return [h for h in trainer.state.log_history if "reward" in h]
 
 
-def _padded_step(model, seqs, loss_weight) -> float:
-    """Untreed forward+backward as TRL runs it: right-padded batch, the model's own attention."""
-    ids, mask = right_pad(seqs)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    loss = -(lp * mask[:, 1:] * loss_weight).sum()
-    loss.backward()
-    return float(loss.detach())
+def _printer_class():
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def run(repeats: int = 3) -> list[dict]:
-    torch.manual_seed(0)
-    model = tiny_model("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                       initializer_range=0.05)
-    workloads = {
-        "GRPO group (G=8, prompt 256, completion 64)": grpo_group(256, 64, 8, 512, seed=0),
-        "agentic tree (system 96, 4 turns, 2 branches)": agentic_tree(512),
-    }
-    rows = []
-    for name, seqs in workloads.items():
-        forest = PrefixForest.from_sequences(seqs)
-        with torch.no_grad():
-            tree = tree_logprobs(model, seqs)
-            ref = untreed_logprobs(model, seqs)
-        dlogp = max(float((a - b).abs().max()) for a, b in zip(tree, ref))
-
-        def tree_step():
-            model.zero_grad(set_to_none=True)
-            tree_backward(model, seqs, lambda lp, s, p: -lp)
-
-        def untreed_step():
-            model.zero_grad(set_to_none=True)
-            _padded_step(model, seqs, 1.0)
-
-        untreed_step()
-        g_ref = [p.grad.clone() for p in model.parameters()]
-        tree_step()
-        grad_err = max(float((p.grad - g).norm() / g.norm()) for p, g in zip(model.parameters(), g_ref))
-        t_tree, t_untreed = _time(tree_step, repeats), _time(untreed_step, repeats)
-        rows.append({"workload": name, "T": forest.num_tokens, "U": forest.num_unique_tokens,
-                     "T/U": forest.dedup_ratio, "max|dlogp|": dlogp, "grad_rel": grad_err,
-                     "tree_s": t_tree, "untreed_s": t_untreed})
-    return rows
+    return PrinterCallback if PrinterCallback else ProgressCallback
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="trl_tree demo: packed tree vs untreed on a tiny CPU model")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description="tree GRPO vs stock GRPO on a tiny built-in model (CPU)")
+    parser.add_argument("--steps", type=int, default=12, help="tree GRPO steps")
+    parser.add_argument("--stock-steps", type=int, default=4, help="stock GRPO steps, for the timing")
+    parser.add_argument("--mode", default="packed", choices=("packed", "dfs"))
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print("trl_tree demo: tiny Qwen2-shaped model (4 layers, fp32, CPU, built in code)\n")
-    for r in run(args.repeats):
-        print(r["workload"])
-        print(f"  T = {r['T']}   U = {r['U']}   T/U = {r['T/U']:.2f}")
-        print(f"  largest |Δ log-prob| vs untreed = {r['max|dlogp|']:.2e}   "
-              f"worst relative gradient error = {r['grad_rel']:.2e}")
-        print(f"  forward+backward: untreed (padded batch) {r['untreed_s'] * 1e3:.1f} ms, "
-              f"tree {r['tree_s'] * 1e3:.1f} ms  ->  {r['untreed_s'] / r['tree_s']:.2f}x\n")
+
+    import warnings
+
+    from .toy import build_tiny_policy
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = build_tiny_policy(os.path.join(tmp, "policy"))
+        print(f"trl_tree demo: GRPO on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}\n")
+        print(" step  reward   T/U   policy fwd+bwd")
+        tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"))
+        for i, h in enumerate(tree_logs, 1):
+            print(f"{i:5d}  {h['reward']:6.3f}  {h['tree/dedup_ratio']:5.2f}  {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
+        print(f"\nstock GRPO (tree_mode='off', i.e. trl.GRPOTrainer), {args.stock_steps} steps for the timing:")
+        stock_logs = train("off", args.stock_steps, checkpoint, os.path.join(tmp, "stock"))
+        for i, h in enumerate(stock_logs, 1):
+            print(f"{i:5d}  {h['reward']:6.3f}     -   {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
+
+    def per_step(logs):  # the first step warms up allocators and kernels
+        times = [h["tree/fwd_bwd_time"] for h in logs]
+        return statistics.median(times[1:] if len(times) > 1 else times)
+
+    t_tree, t_stock = per_step(tree_logs), per_step(stock_logs)
+    print(
+        f"\nreward {tree_logs[0]['reward']:.3f} -> {tree_logs[-1]['reward']:.3f} over {len(tree_logs)} steps; "
+        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; policy forward+backward per step: "
+        f"stock GRPO {t_stock * 1e3:.0f} ms, tree GRPO {t_tree * 1e3:.0f} ms -> {t_stock / t_tree:.2f}x"
+    )
     return 0
 
 

@@ -1,0 +1,43 @@
+"""Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
+
+Trains the tiny policy a few steps with gradient accumulation in packed mode and in dfs mode
+(whose backward runs inside the engine and synchronises gradients by hand), from the same seed on
+the same rollouts, and writes each rank's final parameters; the test checks that the ranks agree
+(gradients were averaged) and that dfs equals packed (the averaging is the same).
+"""
+
+import os
+import sys
+
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, os.path.dirname(__file__))
+from trainer_harness import PROMPTS, reward_a  # noqa: E402
+
+from trl_tree import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
+
+
+def main(checkpoint: str, out_dir: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    for mode in ("packed", "dfs"):
+        args = TreeGRPOConfig(
+            output_dir=os.path.join(out_dir, mode), tree_mode=mode, per_device_train_batch_size=4,
+            num_generations=4, max_completion_length=8, learning_rate=0.05, optim="sgd", max_steps=2,
+            gradient_accumulation_steps=2, beta=0.04, use_cpu=True, bf16=False, report_to="none",
+            save_strategy="no", seed=0, disable_tqdm=True, model_init_kwargs={"dtype": torch.float64},
+        )
+        torch.manual_seed(0)
+        trainer = TreeGRPOTrainer(model=checkpoint, reward_funcs=reward_a, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                  processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+        trainer.train()
+        rank = trainer.accelerator.process_index
+        assert trainer.accelerator.num_processes == 2, "expected two processes"
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        torch.save(params, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,29 @@
+"""Two CPU processes under ``accelerate launch``: gradient synchronisation in packed and dfs mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from trainer_harness import save_tiny_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_two_processes_agree_and_dfs_equals_packed(tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"), os.path.join(ROOT, "tests/ddp_check.py"),
+           checkpoint, str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("packed", "dfs") for r in (0, 1)}
+    for mode in ("packed", "dfs"):
+        for name, p in runs[(mode, 0)].items():
+            assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
+    for name, p in runs[("packed", 0)].items():
+        q = runs[("dfs", 0)][name]
+        assert torch.allclose(p, q, rtol=0, atol=1e-9), f"dfs differs from packed on {name}"
