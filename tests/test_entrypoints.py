@@ -36,7 +36,7 @@ def test_example_runs(argv, monkeypatch, capsys):
     assert "max |Δ log-prob| vs untreed" in out
 
 
-@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report"])
+@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
 

@@ -1,0 +1,198 @@
+"""The GPU benchmark suite: W1–W5 × model sizes, baselines and tree modes in one process.
+
+    python -m trl_tree.bench.suite [--sizes 0.5b,1.5b,7b] [--out docs/benchmarks/suite_h200.json]
+    python -m trl_tree.bench.suite --report docs/benchmarks/suite_h200.json   # table + plot only
+
+Per workload (``bench.workloads``) and randomly initialised Qwen2.5-shaped model (bf16, HF gradient
+checkpointing as TRL uses it), on the same rollouts: TRL's padded computation (its fused LM head on
+the completion tokens), padding-free packing through FlashAttention varlen (no sharing; the
+strongest non-tree baseline), the packed tree, and on W1/W4 the depth-first walk with the longest
+single sequence's step as its memory reference. Each path: median of ``--iters`` CUDA-event timed
+steps after a warm-up, peak memory above the weights. The FLOP limit (DESIGN, "Measuring speed")
+is computed per workload and model. Writes JSON, a Markdown table next to it and, if matplotlib is
+installed, a PNG of speed-up against T/U with the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+
+from .. import PrefixForest, tree_backward
+from ..reference import right_pad
+from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
+from .workloads import suite_workloads
+
+
+def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepCost]:
+    lengths = forest.seq_lengths.tolist()
+    n_terms = sum(L - score_from for L in lengths)
+    base = StepCost(forest.num_tokens, n_terms, sum(L * (L + 1) // 2 for L in lengths))
+    tree = StepCost(forest.num_unique_tokens, forest.scoring_plan(score_from).num_predictions,
+                    forest.sum_visible_keys())
+    return base, tree
+
+
+def run_workload(model, w, iters: int, dfs: bool) -> dict:
+    seqs, P = w.sequences, w.score_from
+    forest = PrefixForest.from_sequences(seqs)
+    flat = PrefixForest.from_sequences(seqs, share_prefixes=False)
+    T, U = forest.num_tokens, forest.num_unique_tokens
+    adv = torch.from_numpy(np.random.default_rng(0).standard_normal(len(seqs))).float().cuda()
+    base_cost, tree_cost = _costs(forest, seqs, P)
+    n_terms = base_cost.predictions
+    limit = step_flops(base_cost, model.config, True) / step_flops(tree_cost, model.config, True)
+
+    def token_loss(lp, seq_idx, pos):
+        return -lp * adv[seq_idx] / n_terms
+
+    def padded(batch, batch_adv):
+        ids, mask = right_pad(batch, "cuda")
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :P] = -100
+
+        def step():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            (-(out.log_probs * batch_adv[:, None]).sum() / n_terms).backward()
+        return step
+
+    def tree(the_forest, mode="packed", **kw):
+        def step():
+            tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
+        return step
+
+    paths = {"trl_padded": padded(seqs, adv), "padding_free": tree(flat), "tree_packed": tree(forest)}
+    if dfs:
+        longest = int(np.argmax(forest.seq_lengths))
+        paths["tree_dfs"] = tree(forest, "dfs")
+        paths["longest_single"] = padded([seqs[longest]], adv[longest : longest + 1])
+    rows = []
+    for name, fn in paths.items():
+        torch.cuda.empty_cache()
+        try:
+            ms, peak = time_cuda(fn, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
+            rows.append({"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 3)})
+        except torch.OutOfMemoryError:
+            rows.append({"path": name, "error": "out of memory"})
+        print(w.name, rows[-1], flush=True)
+    by = {r["path"]: r for r in rows}
+    base = by["trl_padded"].get("ms")
+    for r in rows:
+        if "ms" in r and base and r["path"] != "longest_single":
+            r["speedup"] = round(base / r["ms"], 3)
+            if r["path"].startswith("tree"):
+                r["fraction_of_flop_limit"] = round(r["speedup"] / limit, 3)
+                r["speedup_over_T_U"] = round(r["speedup"] / (T / U), 3)
+    pf, tp = by["padding_free"].get("ms"), by["tree_packed"].get("ms")
+    single = by.get("longest_single", {}).get("peak_gib")
+    if single and "peak_gib" in by.get("tree_dfs", {}):
+        by["tree_dfs"]["peak_over_longest_single"] = round(by["tree_dfs"]["peak_gib"] / single, 3)
+    return {"workload": w.name, "description": w.description, "num_sequences": len(seqs), "T": T, "U": U,
+            "T_over_U": round(T / U, 3), "longest": int(forest.max_depth), "flop_limit": round(limit, 3),
+            "tree_over_padding_free": round(tp / pf, 3) if pf and tp else None, "rows": rows}
+
+
+def markdown(payload: dict) -> str:
+    env = payload["environment"]
+    lines = [f"# Benchmark suite — {env.get('gpu', '?')}", "",
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; bf16, "
+             "HF gradient checkpointing, random-init Qwen2.5-shaped models; median of CUDA-event timed steps after "
+             "warm-up, all paths in one process on the same rollouts. Speed-up is over TRL's padded path; "
+             "limit = FLOP limit (DESIGN); peak = memory above the weights.", "",
+             "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
+             "÷ limit | tree dfs | dfs peak ÷ longest single | peak TRL → packed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, results in payload["results"].items():
+        for r in results:
+            by = {x["path"]: x for x in r["rows"]}
+
+            def ms(path):
+                x = by.get(path, {})
+                return f"{x['ms']:.0f} ms" if "ms" in x else x.get("error", "–")
+            tp, dfs = by.get("tree_packed", {}), by.get("tree_dfs", {})
+            peak = f"{by['trl_padded'].get('peak_gib', float('nan')):.2f} → {tp.get('peak_gib', float('nan')):.2f} GiB"
+            dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
+            lines.append(
+                f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
+                f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
+                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {dfs_cell} | "
+                f"{dfs.get('peak_over_longest_single', '–')} | {peak} |")
+    lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(
+        f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
+        for r in res if r["workload"] == "W5" and r.get("tree_over_padding_free"))]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib; then --report)")
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    xs = np.linspace(0.8, 10.5, 50)
+    ax.plot(xs, xs, "k:", label="T/U")
+    for marker, (size, results) in zip("osD^", payload["results"].items()):
+        pts = [(r["T_over_U"], x["speedup"], r["flop_limit"]) for r in results for x in r["rows"]
+               if x["path"] == "tree_packed" and "speedup" in x]
+        if not pts:
+            continue
+        t, s, lim = zip(*pts)
+        line = ax.scatter(t, s, marker=marker, label=f"tree packed, {size}")
+        ax.scatter(t, lim, marker="_", s=300, color=line.get_facecolor()[0], label=f"FLOP limit, {size}")
+    ax.set_xlabel("T/U (total ÷ unique tokens)")
+    ax.set_ylabel("speed-up over TRL's padded step")
+    ax.set_title(f"trl_tree on {payload['environment'].get('gpu', 'GPU')}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def write_reports(payload: dict, json_path: str) -> None:
+    stem = os.path.splitext(json_path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(payload))
+    plot(payload, stem + ".png")
+    print(markdown(payload))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="0.5b,1.5b,7b")
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", default="benchmark_suite.json")
+    parser.add_argument("--report", default=None, help="only render the table and plot of this JSON")
+    args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            write_reports(json.load(f), args.report)
+        return 0
+    results: dict[str, list] = {}
+    for size in args.sizes.split(","):
+        model = bench_model(size)
+        wanted = set(args.workloads.split(","))
+        results[size] = []
+        for w in suite_workloads(model.config.vocab_size):
+            if w.name in wanted:
+                results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4")))
+                dump(args.out, {"environment": environment(), "results": results})  # keep partial results
+        del model
+        torch.cuda.empty_cache()
+    payload = {"environment": environment(), "results": results}
+    dump(args.out, payload)
+    write_reports(payload, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

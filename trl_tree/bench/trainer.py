@@ -1,0 +1,105 @@
+"""TreeGRPOTrainer against stock GRPO inside the real Trainer loop (GPU, bf16).
+
+    python -m trl_tree.bench.trainer [--size 1.5b] [--group 16] [--prompt 2048] [--completion 512]
+
+Generation is replaced by a ``rollout_func`` returning random rollouts of the given shape (a group
+per step, no sampling cost), so what is timed is TRL's training step: the policy forward, TRL's
+loss and the backward, through ``TreeGRPOTrainer`` in ``tree_mode`` off (= ``trl.GRPOTrainer``),
+packed and dfs. Reports the median ``tree/fwd_bwd_time`` (training step minus generation) over
+the steps after the first, and the speed-up over stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import zlib
+
+import numpy as np
+import torch
+
+from .common import dump, environment
+
+
+def _tokenizer(vocab_size: int):
+    """A word-level tokenizer with one entry per model token id, so TRL can decode any rollout."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--modes", default="off,packed,dfs")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from ..tiny import shaped_config
+    from ..trainers import TreeGRPOConfig, TreeGRPOTrainer
+
+    config = shaped_config(args.size)
+    tok = _tokenizer(config.vocab_size)
+    rng = np.random.default_rng(0)
+
+    def rollout(prompts, trainer):
+        """One random prompt per distinct prompt string, random completions (no generation)."""
+        cache: dict[str, list[int]] = {}
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            ids = cache.setdefault(p, rng.integers(2, config.vocab_size, args.prompt).tolist())
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(rng.integers(2, config.vocab_size, args.completion).tolist())
+            out["logprobs"].append([0.0] * args.completion)
+        return out
+
+    def reward(completions, **kwargs):
+        return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+
+    results = {}
+    for mode in args.modes.split(","):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+        cfg = TreeGRPOConfig(
+            output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
+            num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
+            bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        )
+        trainer = TreeGRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                                  train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
+                                  rollout_func=rollout)
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "tree/fwd_bwd_time" in h]
+        times = [h["tree/fwd_bwd_time"] for h in logs][1:]
+        results[mode] = {"fwd_bwd_ms": round(statistics.median(times) * 1e3, 1), "steps_timed": len(times),
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                         "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
+        print(mode, results[mode], flush=True)
+        del trainer, model
+        torch.cuda.empty_cache()
+    if "off" in results:
+        for mode, r in results.items():
+            r["speedup_over_stock"] = round(results["off"]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
+    print(results)
+    dump(args.out, {"environment": environment(), "workload": {
+        "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)",
+        "group": args.group, "prompt": args.prompt, "completion": args.completion}, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

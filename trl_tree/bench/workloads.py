@@ -1,0 +1,55 @@
+"""The benchmark suite's workloads (issue "GPU performance"): token sequences built in code.
+
+Each workload is a list of sequences plus ``score_from`` (the first scored token: TRL scores the
+completion, i.e. everything after the prompt). Token ids are random; only the sharing structure
+and the lengths matter for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tiny import grpo_group
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    sequences: list[list[int]]
+    score_from: int
+
+
+def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 1), (200, 2), (60, 3)),
+                 seed: int = 0) -> list[list[int]]:
+    """Trajectories sharing a system prompt; each turn (assistant message + tool call + tool
+    result) of ``length`` tokens branches ``branch`` ways at the preceding tool call.
+
+    The default gives 12 trajectories of 5,330 tokens, T = 63,960, U = 6,800, T/U = 9.41.
+    """
+    rng = np.random.default_rng(seed)
+    paths = [rng.integers(0, vocab, system).tolist()]
+    for length, branch in turns:
+        paths = [p + rng.integers(0, vocab, length).tolist() for p in paths for _ in range(branch)]
+    return paths
+
+
+def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -> list[list[int]]:
+    """Distinct prompts, nothing shared (the first token differs too): T/U = 1."""
+    rng = np.random.default_rng(seed)
+    seqs = rng.integers(1, vocab, (count, length))
+    seqs[:, 0] = np.arange(count) % (vocab - 1) + 1
+    return seqs.tolist()
+
+
+def suite_workloads(vocab: int) -> list[Workload]:
+    return [
+        Workload("W1", "GRPO G=16, prompt 2048, completion 512", grpo_group(2048, 512, 16, vocab, seed=1), 2048),
+        Workload("W2", "GRPO G=8, prompt 1024, completion 1024", grpo_group(1024, 1024, 8, vocab, seed=2), 1024),
+        Workload("W3", "GRPO G=8, prompt 256, completion 1024", grpo_group(256, 1024, 8, vocab, seed=3), 256),
+        Workload("W4", "agentic tree: 4.8k system prompt, 5 turns branching at tool calls, 12 leaves",
+                 agentic_tree(vocab), 4800),
+        Workload("W5", "no sharing: 16 sequences of 2048 tokens (prompt 1024)", no_sharing(vocab), 1024),
+    ]
