@@ -21,6 +21,7 @@ WORKLOADS = {
     "duplicates": [[9, 8, 7, 6], [9, 8, 7, 6], [9, 8, 7, 6, 5], [9, 8, 7, 6]],
     "len_1_and_2": [[7], [7, 1], [8, 3], [7], [2]],
     "no_sharing": [[1, 2, 3, 4], [2, 3, 4], [3, 4, 5, 6, 7], [50]],
+    "no_sharing_equal_lengths": [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [9, 9, 9, 9, 9]],  # the dense-batch path
     "single": [[5, 4, 3, 2, 1, 0, 11]],
 }
 
@@ -112,3 +113,23 @@ def test_backward_accumulates_into_existing_grads(qwen2):
 )
 def test_random_forests(qwen2, seqs, backend):
     check_exact(qwen2, seqs, backend)
+
+
+def test_unshared_equal_lengths_run_as_a_dense_batch(qwen2, monkeypatch):
+    """No sharing and one length: the model's own causal attention over a (B, L) batch, exact; with
+    sharing or ragged lengths the tree layout is used."""
+    from trl_tree import engine
+
+    seqs = WORKLOADS["no_sharing_equal_lengths"]
+    assert engine.dense_row_length(PrefixForest.from_sequences(seqs)) == 5
+    assert engine.dense_row_length(PrefixForest.from_sequences(WORKLOADS["no_sharing"])) is None
+    assert engine.dense_row_length(PrefixForest.from_sequences(WORKLOADS["duplicates"])) is None
+    original, calls = engine._dense_hidden_states, []
+
+    def recording(*args):
+        calls.append(args[2])
+        return original(*args)
+
+    monkeypatch.setattr(engine, "_dense_hidden_states", recording)
+    check_exact(qwen2, seqs, "sdpa")
+    assert calls and set(calls) == {5}

@@ -94,8 +94,40 @@ def tree_forward(parts: ModelParts, tokens: np.ndarray, meta) -> torch.Tensor:
     return captured[-1][0]
 
 
+#: Run a forest of unshared, equal-length sequences as a dense causal batch through the model's own
+#: attention (see ``dense_row_length``). The benchmarks set it False to time varlen packing itself.
+DENSE_UNSHARED_BATCHES = True
+
+
+def dense_row_length(forest: PrefixForest) -> int | None:
+    """``L`` when the forest is B sequences of one length L sharing nothing, else None.
+
+    Then the packed layout *is* a ``(B, L)`` batch without padding (each sequence one root node,
+    contiguous), and the model's own causal attention over it (cuDNN/FlashAttention dense kernels,
+    no gather) is the same computation as tree attention, only faster: the no-sharing case must
+    not cost more than the untreed path.
+    """
+    if not DENSE_UNSHARED_BATCHES or forest.num_unique_tokens != forest.num_tokens:
+        return None
+    if forest.num_nodes != forest.num_sequences or len(set(forest.seq_lengths.tolist())) != 1:
+        return None
+    return int(forest.seq_lengths[0])
+
+
+def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -> torch.Tensor:
+    input_ids = torch.from_numpy(forest.tokens).to(parts.device).view(-1, length)
+    with capture_last_hidden_state(parts.backbone) as captured:
+        parts.outer(input_ids=input_ids, use_cache=False,
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device))
+    hidden = captured[-1]
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto") -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
+    length = dense_row_length(forest)
+    if length is not None:
+        return _dense_hidden_states(parts, forest, length)
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
     install(parts.causal_lm.config._attn_implementation)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)

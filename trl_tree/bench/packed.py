@@ -24,7 +24,7 @@ import argparse
 import numpy as np
 import torch
 
-from .. import PrefixForest, tree_backward
+from .. import PrefixForest, engine, tree_backward
 from ..attention.backends import backend_available
 from ..tiny import grpo_group
 from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
@@ -80,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     def tree(backend, the_forest=None):
         def step():
             model.zero_grad(set_to_none=True)
-            return tree_backward(model, the_forest if the_forest is not None else seqs, token_loss,
-                                 attn_backend=backend, score_from=P)
+            engine.DENSE_UNSHARED_BATCHES = the_forest is None  # padding-free stays varlen packing
+            try:
+                return tree_backward(model, the_forest if the_forest is not None else seqs, token_loss,
+                                     attn_backend=backend, score_from=P)
+            finally:
+                engine.DENSE_UNSHARED_BATCHES = True
         return step
 
     baseline_cost = StepCost(T, n_terms, sum(L * (L + 1) // 2 for L in forest.seq_lengths.tolist()))

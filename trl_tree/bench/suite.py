@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from .. import PrefixForest, tree_backward
+from .. import PrefixForest, engine, tree_backward
 from ..reference import right_pad
 from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
 from .workloads import suite_workloads
@@ -60,12 +60,16 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
             (-(out.log_probs * batch_adv[:, None]).sum() / n_terms).backward()
         return step
 
-    def tree(the_forest, mode="packed", **kw):
+    def tree(the_forest, mode="packed", varlen=False, **kw):
         def step():
-            tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
+            engine.DENSE_UNSHARED_BATCHES = not varlen  # padding-free = varlen packing, even when unshared
+            try:
+                tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
+            finally:
+                engine.DENSE_UNSHARED_BATCHES = True
         return step
 
-    paths = {"trl_padded": padded(seqs, adv), "padding_free": tree(flat), "tree_packed": tree(forest)}
+    paths = {"trl_padded": padded(seqs, adv), "padding_free": tree(flat, varlen=True), "tree_packed": tree(forest)}
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
