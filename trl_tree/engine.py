@@ -114,6 +114,24 @@ def dense_row_length(forest: PrefixForest) -> int | None:
     return int(forest.seq_lengths[0])
 
 
+def _plain_causal_attention(parts: ModelParts, length: int) -> bool:
+    """Whether the model's own attention over a dense batch is what tree attention would compute.
+
+    Anything the tree refuses (attention dropout in training, a window shorter than the rows,
+    soft-capping, sinks) keeps the tree path, so such a model gets the same clear error whatever
+    the batch looks like.
+    """
+    cfg = parts.causal_lm.config.get_text_config()
+    if parts.causal_lm.training and getattr(cfg, "attention_dropout", 0.0):
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) and window < length:
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None) is not None or cfg.model_type in ("gpt_oss",):
+        return False
+    return True
+
+
 def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -> torch.Tensor:
     input_ids = torch.from_numpy(forest.tokens).to(parts.device).view(-1, length)
     with capture_last_hidden_state(parts.backbone) as captured:
@@ -125,10 +143,10 @@ def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -
 
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto") -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
+    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
     length = dense_row_length(forest)
-    if length is not None:
+    if length is not None and _plain_causal_attention(parts, length):
         return _dense_hidden_states(parts, forest, length)
-    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
     install(parts.causal_lm.config._attn_implementation)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)
     return tree_forward(parts, forest.tokens, meta)

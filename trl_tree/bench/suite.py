@@ -102,7 +102,7 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
 
 def markdown(payload: dict) -> str:
     env = payload["environment"]
-    lines = [f"# Benchmark suite — {env.get('gpu', '?')}", "",
+    lines = [f"# Benchmark suite — {env.get('device', '?')}", "",
              f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; bf16, "
              "HF gradient checkpointing, random-init Qwen2.5-shaped models; median of CUDA-event timed steps after "
              "warm-up, all paths in one process on the same rollouts. Speed-up is over TRL's padded path; "
@@ -153,7 +153,7 @@ def plot(payload: dict, path: str) -> bool:
         ax.scatter(t, lim, marker="_", s=300, color=line.get_facecolor()[0], label=f"FLOP limit, {size}")
     ax.set_xlabel("T/U (total ÷ unique tokens)")
     ax.set_ylabel("speed-up over TRL's padded step")
-    ax.set_title(f"trl_tree on {payload['environment'].get('gpu', 'GPU')}")
+    ax.set_title(f"trl_tree on {payload['environment'].get('device', 'GPU')}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
