@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st

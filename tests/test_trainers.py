@@ -162,12 +162,10 @@ def test_multi_turn_rollouts_share_turns(checkpoint, mode):
 
 def _prompt_only_ratio(trainer) -> float:
     """T/U if a group shared its prompt and nothing else (for the multi-turn test)."""
-    tok = trainer.processing_class
     rollout = _multi_turn_rollout(["count the a letters in banana 0"] * 4, trainer)
     p = len(rollout["prompt_ids"][0])
     comps = [len(c) for c in rollout["completion_ids"]]
     total = sum(p + c for c in comps)
-    del tok
     return total / (p + sum(comps))
 
 

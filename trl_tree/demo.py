@@ -24,6 +24,7 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     import torch
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
+    from transformers.trainer_callback import PrinterCallback
     from transformers.utils import logging as hf_logging
 
     from .toy import reward_letter_a, toy_prompts
@@ -42,15 +43,9 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
         train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
         processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint),
     )
-    trainer.remove_callback(_printer_class())
+    trainer.remove_callback(PrinterCallback)  # the per-step dicts; the demo prints its own table
     trainer.train()
     return [h for h in trainer.state.log_history if "reward" in h]
-
-
-def _printer_class():
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    return PrinterCallback if PrinterCallback else ProgressCallback
 
 
 def main(argv: list[str] | None = None) -> int:
