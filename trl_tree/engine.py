@@ -16,7 +16,7 @@ import torch
 from ._inputs import SequenceLike
 from .attention.backends import resolve_backend
 from .attention.dispatch import install
-from .attention.metadata import TREE_KWARG, TreeAttentionMetadata
+from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts, capture_last_hidden_state, model_parts
@@ -85,13 +85,17 @@ def tree_forward(parts: ModelParts, tokens: np.ndarray, meta) -> torch.Tensor:
             logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
             **{TREE_KWARG: meta},
         )
+    _check_every_layer(parts, meta, captured)
+    return captured[-1][0]
+
+
+def _check_every_layer(parts: ModelParts, meta, captured: list) -> None:
     if meta.calls != parts.num_layers or not captured:
         raise ValueError(
             f"{type(parts.causal_lm).__name__}: {meta.calls} of its {parts.num_layers} layers ran their attention "
             "through transformers' AttentionInterface; the tree engine needs every layer to (a model with "
             "hand-written or non-softmax attention would silently mix branches)"
         )
-    return captured[-1][0]
 
 
 #: Run a forest of unshared, equal-length sequences as a dense causal batch through the model's own
@@ -114,29 +118,15 @@ def dense_row_length(forest: PrefixForest) -> int | None:
     return int(forest.seq_lengths[0])
 
 
-def _plain_causal_attention(parts: ModelParts, length: int) -> bool:
-    """Whether the model's own attention over a dense batch is what tree attention would compute.
-
-    Anything the tree refuses (attention dropout in training, a window shorter than the rows,
-    soft-capping, sinks) keeps the tree path, so such a model gets the same clear error whatever
-    the batch looks like.
-    """
-    cfg = parts.causal_lm.config.get_text_config()
-    if parts.causal_lm.training and getattr(cfg, "attention_dropout", 0.0):
-        return False
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True) and window < length:
-        return False
-    if getattr(cfg, "attn_logit_softcapping", None) is not None or cfg.model_type in ("gpt_oss",):
-        return False
-    return True
-
-
 def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -> torch.Tensor:
+    """The ``(B, L)`` batch through the model's own causal attention; the dispatcher still applies
+    the tree's refusals and the every-layer check, so a model behaves the same on any batch."""
     input_ids = torch.from_numpy(forest.tokens).to(parts.device).view(-1, length)
+    meta = DenseCausalBatch(max_depth=length)
     with capture_last_hidden_state(parts.backbone) as captured:
         parts.outer(input_ids=input_ids, use_cache=False,
-                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device))
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device), **{TREE_KWARG: meta})
+    _check_every_layer(parts, meta, captured)
     hidden = captured[-1]
     return hidden.reshape(-1, hidden.shape[-1])
 
@@ -144,10 +134,10 @@ def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto") -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
-    length = dense_row_length(forest)
-    if length is not None and _plain_causal_attention(parts, length):
-        return _dense_hidden_states(parts, forest, length)
     install(parts.causal_lm.config._attn_implementation)
+    length = dense_row_length(forest)
+    if length is not None:
+        return _dense_hidden_states(parts, forest, length)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)
     return tree_forward(parts, forest.tokens, meta)
 

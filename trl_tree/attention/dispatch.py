@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from transformers import AttentionInterface
 
-from .metadata import TREE_KWARG
+from .metadata import TREE_KWARG, DenseCausalBatch
 
 # implementation name -> the function that was registered before we wrapped it (None: model's own eager)
 _ORIGINALS: dict[str, Callable | None] = {}
@@ -31,6 +31,33 @@ def _module_eager(module: torch.nn.Module) -> Callable:
     return fn
 
 
+def refuse_inexact(
+    module: torch.nn.Module,
+    max_depth: int,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **_: object,
+) -> None:
+    """Raise for any attention feature the tree cannot reproduce exactly (never a wrong number)."""
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is active; the tree cannot reproduce per-sequence dropout masks. "
+            "Set the model's attention_dropout to 0 (RL fine-tuning normally runs without it)"
+        )
+    if sliding_window is not None and max_depth > sliding_window:
+        raise ValueError(
+            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and a sequence "
+            f"is {max_depth} tokens long; the tree attention cannot express the window. Sequences up "
+            "to the window length are exact"
+        )
+    if softcap is not None:
+        raise ValueError(f"{type(module).__name__} uses attention logit soft-capping, which tree attention does not support")
+    if s_aux is not None:
+        raise ValueError(f"{type(module).__name__} uses attention sinks, which tree attention does not support")
+
+
 def tree_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -38,12 +65,8 @@ def tree_attention_forward(
     value: torch.Tensor,
     meta,
     *,
-    dropout: float = 0.0,
     scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    **_: object,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Attention over the packed forest, refusing anything the tree cannot compute exactly."""
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens or key.shape[2] != meta.num_tokens:
@@ -51,21 +74,7 @@ def tree_attention_forward(
             f"tree attention got queries {tuple(query.shape)} and keys {tuple(key.shape)} for a forest of "
             f"{meta.num_tokens} packed tokens; the tree forward takes one packed row and no KV cache"
         )
-    if dropout:
-        raise ValueError(
-            f"attention dropout ({dropout}) is active; the tree cannot reproduce per-sequence dropout masks. "
-            "Set the model's attention_dropout to 0 (RL fine-tuning normally runs without it)"
-        )
-    if sliding_window is not None and meta.max_depth > sliding_window:
-        raise ValueError(
-            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and a sequence "
-            f"is {meta.max_depth} tokens long; the tree attention cannot express the window. Sequences up "
-            "to the window length are exact"
-        )
-    if softcap is not None:
-        raise ValueError(f"{type(module).__name__} uses attention logit soft-capping, which tree attention does not support")
-    if s_aux is not None:
-        raise ValueError(f"{type(module).__name__} uses attention sinks, which tree attention does not support")
+    refuse_inexact(module, meta.max_depth, **kwargs)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
     meta.calls += 1
@@ -76,8 +85,11 @@ def tree_attention_forward(
 def _make_dispatcher(name: str) -> Callable:
     def trl_tree_attention(module, query, key, value, attention_mask, **kwargs):
         meta = kwargs.pop(TREE_KWARG, None)
-        if meta is not None:
+        if meta is not None and not isinstance(meta, DenseCausalBatch):
             return tree_attention_forward(module, query, key, value, meta, **kwargs)
+        if meta is not None:  # a dense batch: the model's own attention, under the tree's refusals
+            refuse_inexact(module, meta.max_depth, **kwargs)
+            meta.calls += 1
         original = _ORIGINALS[name]
         fn = original if original is not None else _module_eager(module)
         return fn(module, query, key, value, attention_mask, **kwargs)

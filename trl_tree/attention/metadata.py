@@ -26,6 +26,18 @@ def tree_visibility(subtree_end: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(eq=False)
+class DenseCausalBatch:
+    """Marker for a ``(B, L)`` batch of unshared rows run through the model's own causal attention.
+
+    Carried like tree metadata, so the dispatcher still refuses what the tree could not compute
+    exactly (the same errors whatever the batch looks like) and counts the layers it served.
+    """
+
+    max_depth: int  # L
+    calls: int = 0
+
+
+@dataclass(eq=False)
 class TreeAttentionMetadata:
     """Packed-layout tensors of one forest on one device, plus the chosen attention backend."""
 
