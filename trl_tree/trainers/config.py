@@ -6,6 +6,7 @@ apart; each config is ``(TRL config, TreeArguments)`` and accepts every argument
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
@@ -79,3 +80,21 @@ class TreeRLOOConfig(RLOOConfig, TreeArguments):
     def __post_init__(self):
         self._check_tree_fields()
         super().__post_init__()
+
+
+def as_tree_config(args, config_cls, model, suffix: str):
+    """A tree config from ``args`` (None, TRL's config or already a tree config)."""
+    if isinstance(args, config_cls):
+        return args
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_cls(output_dir=f"{name.split('/')[-1]}-Tree{suffix}")
+    # TRL's config is already validated and derived (__post_init__ ran); copy it as it stands and
+    # add the tree fields' defaults rather than re-running the checks on derived values
+    tree = config_cls.__new__(config_cls)
+    tree.__dict__.update(args.__dict__)
+    for f in dataclasses.fields(config_cls):
+        if f.name.startswith("tree_") and f.name not in tree.__dict__:
+            setattr(tree, f.name, f.default)
+    tree._check_tree_fields()
+    return tree

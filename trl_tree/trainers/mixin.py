@@ -14,6 +14,7 @@ Three overrides, shared by both trainers:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -161,8 +162,7 @@ class TreeTrainerMixin:
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
         lps, ents = [], []
         kwargs = self._mode_kwargs()
-        context = torch.no_grad() if no_graph else torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad()
-        with context:
+        with torch.no_grad() if no_graph else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
                                     score_from=rows.subset(call)[1], **kwargs)
@@ -181,9 +181,7 @@ class TreeTrainerMixin:
             for call, forest in zip(calls, forests):
                 seqs, score_from = rows.subset(call)
                 counts = [len(s) - f for s, f in zip(seqs, score_from)]
-                row_ids = torch.tensor([i for i, c in zip(call, counts) for _ in range(c)], dtype=torch.long)
-                cols = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
-                weights = grad[row_ids.to(grad.device), cols.to(grad.device)].float()
+                weights = grad[rows.positions([call])].float()  # flat, in the call's (row, token) order
                 offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
                 first = torch.tensor([f - 1 for f in score_from], device=grad.device)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from trl import RLOOTrainer
 
-from .config import TreeRLOOConfig
-from .grpo import _tree_args
+from .config import TreeRLOOConfig, as_tree_config
 from .mixin import TreeTrainerMixin
 
 
@@ -16,6 +15,6 @@ class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
     _tag_names = ["trl", "rloo", "trl_tree"]
 
     def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
-        args = _tree_args(args, TreeRLOOConfig, model, "RLOO")
+        args = as_tree_config(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_tree_support()

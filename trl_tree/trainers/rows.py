@@ -76,20 +76,20 @@ class PaddedRows:
         """Sequences and score offsets of the rows ``index`` (one tree call)."""
         return [self.sequences[i] for i in index], [self.score_from[i] for i in index]
 
-    def num_scored(self, index: list[int]) -> int:
-        return sum(len(self.sequences[i]) - self.score_from[i] for i in index)
+    def positions(self, calls: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, cols)`` in the ``(B, logits_to_keep)`` output of the calls' flat scores, in call
+        order (each call's rows in the given order, each row's scored tokens left to right)."""
+        counts = [len(s) - f for s, f in zip(self.sequences, self.score_from)]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        order = [i for call in calls for i in call]
+        take = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]) if order else np.zeros(0)
+        take = torch.from_numpy(take.astype(np.int64)).to(self.rows.device)
+        return self.rows.index_select(0, take), self.cols.index_select(0, take)
 
     def to_padded(self, flat_per_call: list[torch.Tensor], calls: list[list[int]]) -> torch.Tensor:
         """Scatter the tree calls' flat scores (each in its rows' order) into ``(B, logits_to_keep)``.
 
         Differentiable: ``index_put`` on zeros keeps the graph of ``flat``.
         """
-        order = [i for call in calls for i in call]
         flat = torch.cat(flat_per_call) if len(flat_per_call) > 1 else flat_per_call[0]
-        counts = [len(self.sequences[i]) - self.score_from[i] for i in range(len(self.sequences))]
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        # positions in self.rows/cols (row-major) of the entries in call order
-        take = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]) if order else np.zeros(0)
-        take = torch.from_numpy(take.astype(np.int64)).to(self.rows.device)
-        out = flat.new_zeros(self.shape)
-        return out.index_put((self.rows.index_select(0, take), self.cols.index_select(0, take)), flat)
+        return flat.new_zeros(self.shape).index_put(self.positions(calls), flat)
