@@ -65,6 +65,30 @@ def bench_model(size: str) -> torch.nn.Module:
     return model
 
 
+def add_grpo_shape_args(parser) -> None:
+    """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
+    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--completion", type=int, default=512)
+
+
+def padded_step(model, seqs, weights: torch.Tensor, score_from: int, n_terms: int) -> Callable[[], None]:
+    """TRL's per-sequence step on ``seqs``: the right-padded batch through the model's attention,
+    TRL's fused LM head on the tokens from ``score_from`` on, loss ``-Σ w_i·logp / n_terms``,
+    backward (gradients accumulate; the caller zeroes them if it wants to)."""
+    from ..reference import right_pad
+
+    ids, mask = right_pad(seqs, "cuda")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :score_from] = -100
+
+    def step():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        (-(out.log_probs * weights[:, None]).sum() / n_terms).backward()
+    return step
+
+
 @dataclass
 class StepCost:
     """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and

@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, tree_backward
-from ..reference import right_pad
 from ..tiny import grpo_group
-from .common import bench_model, dump, environment, time_cuda
+from .common import bench_model, dump, environment, padded_step, time_cuda
 
 
 def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(600, 400, 300, 150),
@@ -58,14 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             return -lp * adv[seq_idx] / n_terms
 
         def padded(batch_seqs, batch_adv):
-            ids, mask = right_pad(batch_seqs, "cuda")
-            labels = ids.masked_fill(mask == 0, -100)
-            labels[:, :score_from] = -100
+            base = padded_step(model, batch_seqs, batch_adv, score_from, n_terms)
 
             def step():
                 model.zero_grad(set_to_none=True)
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-                (-(out.log_probs * batch_adv[:, None]).sum() / n_terms).backward()
+                base()
             return step
 
         def tree(mode, **kw):

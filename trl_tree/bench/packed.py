@@ -27,15 +27,12 @@ import torch
 from .. import PrefixForest, engine, tree_backward
 from ..attention.backends import backend_available
 from ..tiny import grpo_group
-from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
+from .common import StepCost, add_grpo_shape_args, bench_model, dump, environment, step_flops, time_cuda
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
-    parser.add_argument("--group", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=2048)
-    parser.add_argument("--completion", type=int, default=512)
+    add_grpo_shape_args(parser)
     parser.add_argument("--backends", default="torch_flash,flex,flash")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None)

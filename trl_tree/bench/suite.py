@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, engine, tree_backward
-from ..reference import right_pad
-from .common import StepCost, bench_model, dump, environment, step_flops, time_cuda
+from .common import StepCost, bench_model, dump, environment, padded_step, step_flops, time_cuda
 from .workloads import suite_workloads
 
 
@@ -50,16 +49,6 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     def token_loss(lp, seq_idx, pos):
         return -lp * adv[seq_idx] / n_terms
 
-    def padded(batch, batch_adv):
-        ids, mask = right_pad(batch, "cuda")
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :P] = -100
-
-        def step():
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-            (-(out.log_probs * batch_adv[:, None]).sum() / n_terms).backward()
-        return step
-
     def tree(the_forest, mode="packed", varlen=False, **kw):
         def step():
             engine.DENSE_UNSHARED_BATCHES = not varlen  # padding-free = varlen packing, even when unshared
@@ -69,11 +58,12 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
                 engine.DENSE_UNSHARED_BATCHES = True
         return step
 
-    paths = {"trl_padded": padded(seqs, adv), "padding_free": tree(flat, varlen=True), "tree_packed": tree(forest)}
+    paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
+             "tree_packed": tree(forest)}
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
-        paths["longest_single"] = padded([seqs[longest]], adv[longest : longest + 1])
+        paths["longest_single"] = padded_step(model, [seqs[longest]], adv[longest : longest + 1], P, n_terms)
     rows = []
     for name, fn in paths.items():
         torch.cuda.empty_cache()

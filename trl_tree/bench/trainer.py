@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 import torch
 
-from .common import dump, environment
+from .common import add_grpo_shape_args, dump, environment
 
 
 def _tokenizer(vocab_size: int):
@@ -36,10 +36,7 @@ def _tokenizer(vocab_size: int):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
-    parser.add_argument("--group", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=2048)
-    parser.add_argument("--completion", type=int, default=512)
+    add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="off,packed,dfs")
     parser.add_argument("--out", default=None)
