@@ -166,3 +166,28 @@ def test_auto_mode_picks_from_the_memory_budget(qwen2):
         assert_grads_close(g, grads_of(qwen2))
         assert_logps_close(tree_logprobs(qwen2, seqs, mode="auto", memory_budget=budget), untreed_logprobs(qwen2, seqs))
     qwen2.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def split_attention_on_cpu(monkeypatch):
+    """The dfs FlashAttention path (prefix rectangle + own tree, log-sum-exp merge, two partial
+    backwards) run on the CPU with the math kernels of ``attention/partial.py``."""
+    from trl_tree.attention import partial
+    from trl_tree.dfs import walk
+
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3, 7])
+def test_split_attention_path(qwen2, split_attention_on_cpu, chunk_size):
+    check_dfs(qwen2, deep_tree(), chunk_size=chunk_size, score_from=[3] * len(deep_tree()))
+    check_dfs(qwen2, WORKLOADS["grpo_group"] + WORKLOADS["prefix_of_another"], chunk_size=chunk_size)
+
+
+def test_split_attention_under_checkpointing(split_attention_on_cpu):
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4)  # keep_graph False
+    check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4, keep_graph=None)  # auto: kept

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from ._inputs import SequenceLike
@@ -65,15 +64,15 @@ def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest)
     return parts, forest
 
 
-def tree_forward(parts: ModelParts, tokens: np.ndarray, meta) -> torch.Tensor:
-    """Final hidden states ``[n, H]`` of ``tokens`` run as one packed row under tree metadata ``meta``.
+def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tensor:
+    """Final hidden states ``[n, H]`` of ``input_ids [1, n]`` (on the model's device) run as one packed
+    row under tree metadata ``meta``.
 
     The outer module is called (DDP hooks, PEFT adapters run); no logits are requested; the hidden
     state comes from a hook on the backbone. Afterwards every layer must have attended through
     the tree dispatcher, else the model would have mixed branches and we refuse the result.
     """
     device = parts.device
-    input_ids = torch.from_numpy(tokens).to(device).unsqueeze(0)
     # a 4-D placeholder makes HF skip building its own O(n²) mask; tree attention ignores it
     placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     with capture_last_hidden_state(parts.backbone) as captured:
@@ -139,7 +138,8 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     if length is not None:
         return _dense_hidden_states(parts, forest, length)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)
-    return tree_forward(parts, forest.tokens, meta)
+    input_ids = torch.from_numpy(forest.tokens).to(parts.device, non_blocking=True).unsqueeze(0)
+    return tree_forward(parts, input_ids, meta)
 
 
 def _score(
@@ -244,7 +244,7 @@ def tree_backward(
     temperature: float = 1.0,
     score_from: int | Sequence[int] | None = None,
     chunk_size: int | None = None,
-    keep_graph: bool = False,
+    keep_graph: bool | None = None,
     memory_budget: int | None = None,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
@@ -257,7 +257,9 @@ def tree_backward(
 
     ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
     are cut, small sibling subtrees grouped up to it); ``keep_graph=True`` keeps each pushed
-    node's graph until its backward instead of recomputing it (faster, memory of the whole path).
+    node's graph until its backward instead of recomputing it (one forward less per inner node,
+    memory of the whole path); ``None`` (default) keeps it when the model uses gradient
+    checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
     ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``.
     """
     _check_mode(mode)
@@ -269,6 +271,10 @@ def tree_backward(
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
+        if keep_graph is None:
+            keep_graph = bool(getattr(parts.causal_lm, "is_gradient_checkpointing", False))
+        elif not isinstance(keep_graph, bool):
+            raise TypeError(f"keep_graph must be True, False or None, got {keep_graph!r}")
         return _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).backward(token_loss, keep_graph)
     with torch.enable_grad():
         logp, _ = _score(parts, forest, plan, attn_backend, temperature, False)

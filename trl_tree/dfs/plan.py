@@ -143,25 +143,30 @@ def _bucket(keys: np.ndarray, n: int) -> list[np.ndarray]:
 
 
 def unit_layout(forest: PrefixForest, unit: Unit) -> dict[str, np.ndarray | int]:
-    """Unit-local arrays: tokens, depths, varlen segments with keys as K/V-stack slots, mask rule.
+    """Unit-local arrays: tokens, positions, the in-unit varlen segments, the mask rule.
 
-    Stack slot of a prefix token = its depth (pushed nodes sit at their depths); the unit's own
-    tokens go to slots ``depth + (packed index - start)``.
+    Every query of a unit sees the whole cached prefix (stack slots ``[0, depth)``: pushed nodes
+    sit at their depths), so attention splits into that prefix, one dense rectangle, and the
+    unit's own tree: per node, its in-unit ancestors and itself (``kv_local``: rows of the unit's
+    own tokens, which sit at stack slots ``depth + (packed index - start)``).
     """
-    a, b, d = unit.start, unit.end, unit.depth
+    a, b = unit.start, unit.end
     cu_q = forest.cu_seqlens_q[unit.node_lo : unit.node_hi + 1].astype(np.int64)
     cu_k = forest.cu_seqlens_k[unit.node_lo : unit.node_hi + 1].astype(np.int64)
     seg = forest.kv_index[cu_k[0] : cu_k[-1]]
-    slots = np.where(seg < a, forest.position_ids[seg], d + seg - a)
+    own = seg >= a  # a node's root path lists the prefix first, then in-unit ancestors, itself last
+    node_of_entry = np.repeat(np.arange(cu_k.shape[0] - 1), np.diff(cu_k))
+    own_len = np.bincount(node_of_entry[own], minlength=cu_k.shape[0] - 1)
+    cu_own = np.zeros(own_len.shape[0] + 1, dtype=np.int64)
+    np.cumsum(own_len, out=cu_own[1:])
     q_len = np.diff(cu_q)
-    k_len = np.diff(cu_k)
     return {
         "tokens": forest.tokens[a:b],
         "position_ids": forest.position_ids[a:b],
         "subtree_end": np.minimum(forest.subtree_end[a:b], b) - a,
-        "kv_slots": slots,
-        "cu_seqlens_q": (cu_q - cu_q[0]).astype(np.int32),
-        "cu_seqlens_k": (cu_k - cu_k[0]).astype(np.int32),
+        "kv_local": seg[own] - a,
+        "cu_seqlens_q": cu_q - cu_q[0],
+        "cu_seqlens_k": cu_own,
         "max_seqlen_q": int(q_len.max()),
-        "max_seqlen_k": int(k_len.max()),
+        "max_seqlen_k": int(own_len.max()),
     }

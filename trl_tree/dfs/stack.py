@@ -4,8 +4,11 @@ Per layer, a preallocated K and V buffer (model dtype) holds the current root pa
 by depth, followed by the running unit's own; a matching fp32 buffer accumulates the gradient
 with respect to every slot. A unit's attention (``_UnitAttention``):
 
-- forward: writes the unit's own K/V into its slots (no concatenation, no copy of the prefix) and
-  attends over slots ``[0, depth + tokens)``;
+- forward: writes the unit's own K/V into its slots (no concatenation, no copy of the prefix).
+  With FlashAttention it runs as two partial attentions merged by log-sum-exp
+  (``attention/partial.py``): every query against the cached prefix, read in place from the
+  stack as one dense rectangle, and each node against its in-unit ancestors and itself (a small
+  varlen gather). The reference backends attend over slots ``[0, depth + tokens)`` with a mask.
 - backward: adds the prefix part of dK/dV into the gradient buffer (the ancestors consume it when
   they are popped) and returns, for the unit's own K/V, the kernel's gradient plus what its
   descendants accumulated in its slots — the gradient of the cached K/V fed into the owning node's
@@ -20,8 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.backends import flash_varlen_backward, flash_varlen_forward, masked_attention, to_varlen
+from .._device import upload
+from ..attention.backends import masked_attention, to_varlen
 from ..attention.metadata import tree_visibility
+from ..attention.partial import PARTIAL_KERNELS, merge_partials
 
 
 class KVStack:
@@ -57,35 +62,44 @@ class UnitAttentionMetadata:
     depth: int  # prefix slots [0, depth)
     num_tokens: int  # the unit's tokens = queries
     max_depth: int
+    input_ids: torch.Tensor  # [1, n]
     position_ids: torch.Tensor  # [1, n]
-    kv_slots: torch.Tensor  # varlen key rows (stack slots) of every node of the unit, node after node
+    kv_local: torch.Tensor | None  # per node, its in-unit key rows (unit-relative); None: each node only itself
     cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: torch.Tensor  # segments of kv_local
     max_seqlen_q: int
     max_seqlen_k: int
+    prefix_cu_q: torch.Tensor  # [0, n]: all queries, one segment
+    prefix_cu_k: torch.Tensor  # [0, depth]
     subtree_end: torch.Tensor  # [n] unit-relative, for the explicit mask of the reference backends
     calls: int = 0
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, layout: dict, stack: KVStack, depth: int, max_depth: int, backend: str, device) -> UnitAttentionMetadata:
-        def to(x, dtype):
-            return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
-
-        return cls(
-            backend=backend,
-            stack=stack,
-            depth=depth,
-            num_tokens=int(layout["tokens"].shape[0]),
-            max_depth=max_depth,
-            position_ids=to(layout["position_ids"], torch.int64).unsqueeze(0),
-            kv_slots=to(layout["kv_slots"], torch.int64),
-            cu_seqlens_q=to(layout["cu_seqlens_q"], torch.int32),
-            cu_seqlens_k=to(layout["cu_seqlens_k"], torch.int32),
-            max_seqlen_q=int(layout["max_seqlen_q"]),
-            max_seqlen_k=int(layout["max_seqlen_k"]),
-            subtree_end=to(layout["subtree_end"], torch.int64),
-        )
+    def build_all(cls, layouts: list[dict], depths: list[int], stack: KVStack, max_depth: int, backend: str,
+                  device: torch.device) -> list[UnitAttentionMetadata]:
+        """Every unit's metadata from two uploads (int64 and int32) made before any compute."""
+        long_arrays, int_arrays = [], []
+        for layout, depth in zip(layouts, depths):
+            n = int(layout["tokens"].shape[0])
+            long_arrays += [layout["tokens"], layout["position_ids"], layout["subtree_end"], layout["kv_local"]]
+            int_arrays += [layout["cu_seqlens_q"], layout["cu_seqlens_k"], np.array([0, n]), np.array([0, depth])]
+        longs = upload(long_arrays, torch.int64, device)
+        ints = upload(int_arrays, torch.int32, device)
+        metas = []
+        for i, (layout, depth) in enumerate(zip(layouts, depths)):
+            tokens, positions, subtree_end, kv_local = longs[4 * i : 4 * i + 4]
+            cu_q, cu_k, prefix_cu_q, prefix_cu_k = ints[4 * i : 4 * i + 4]
+            n = int(layout["tokens"].shape[0])
+            metas.append(cls(
+                backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth,
+                input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                kv_local=None if kv_local.shape[0] == n else kv_local,  # n rows: each node sees only itself
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=int(layout["max_seqlen_q"]), max_seqlen_k=int(layout["max_seqlen_k"]),
+                prefix_cu_q=prefix_cu_q, prefix_cu_k=prefix_cu_k, subtree_end=subtree_end,
+            ))
+        return metas
 
     def dense_mask(self) -> torch.Tensor:
         """``[n, depth + n]``: every query sees the whole prefix, and the tree rule inside the unit."""
@@ -111,6 +125,11 @@ def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling):
     return out[0]
 
 
+def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:
+    """The unit's own keys (or values) node after node: each node's in-unit ancestors and itself."""
+    return x if meta.kv_local is None else x.index_select(0, meta.kv_local)
+
+
 class _UnitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta: UnitAttentionMetadata, layer: int, scaling: float):
@@ -118,43 +137,65 @@ class _UnitAttention(torch.autograd.Function):
         d, n = meta.depth, meta.num_tokens
         kb[d : d + n] = k
         vb[d : d + n] = v
-        saved = ()
-        if meta.backend == "torch_flash":
-            out, saved = flash_varlen_forward(
-                q, kb, vb, meta.kv_slots, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, scaling
-            )
-        else:
-            out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling)
-        ctx.save_for_backward(q, out, *saved)
         ctx.meta, ctx.layer, ctx.scaling = meta, layer, scaling
+        if meta.backend not in PARTIAL_KERNELS:
+            out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling)
+            ctx.save_for_backward(q, out)
+            return out
+        forward, _ = PARTIAL_KERNELS[meta.backend]
+        out, lse, own_state = forward(q, _own_rows(meta, k), _own_rows(meta, v), meta.cu_seqlens_q,
+                                      meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, True, scaling)
+        prefix_state = None
+        if d:
+            out_p, lse_p, prefix_state = forward(q, kb[:d], vb[:d], meta.prefix_cu_q, meta.prefix_cu_k, n, d,
+                                                 False, scaling)
+            out, lse = merge_partials(out_p, lse_p, out, lse)
+        ctx.states = (own_state, prefix_state)
+        ctx.save_for_backward(q, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, out, *saved = ctx.saved_tensors
         meta, layer = ctx.meta, ctx.layer
         d, n = meta.depth, meta.num_tokens
         kb, vb = meta.stack.k[layer], meta.stack.v[layer]
-        if meta.backend == "torch_flash":
-            dq, dk_all, dv_all = flash_varlen_backward(
-                grad_out, q, kb, vb, out, saved, meta.kv_slots, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                meta.max_seqlen_q, meta.max_seqlen_k, ctx.scaling,
-            )
-            dk_all, dv_all = dk_all[: d + n], dv_all[: d + n]
+        gk, gv = meta.stack.grad_buffers(layer)
+        if meta.backend in PARTIAL_KERNELS:
+            q, out, lse = ctx.saved_tensors
+            _, backward = PARTIAL_KERNELS[meta.backend]
+            own_state, prefix_state = ctx.states
+            grad_out = grad_out.contiguous()
+            k_own, v_own = kb[d : d + n], vb[d : d + n]
+            dq, dk_rows, dv_rows = backward(grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
+                                            own_state, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                            meta.max_seqlen_k, True, ctx.scaling)
+            if meta.kv_local is None:
+                dk_own, dv_own = dk_rows.float(), dv_rows.float()
+            else:  # a key row gathered for several nodes: sum its gradients in fp32
+                dk_own = torch.zeros(k_own.shape, dtype=torch.float32, device=q.device).index_add_(
+                    0, meta.kv_local, dk_rows.float())
+                dv_own = torch.zeros(v_own.shape, dtype=torch.float32, device=q.device).index_add_(
+                    0, meta.kv_local, dv_rows.float())
+            if d:
+                dq_p, dk_p, dv_p = backward(grad_out, q, kb[:d], vb[:d], out, lse, prefix_state, meta.prefix_cu_q,
+                                            meta.prefix_cu_k, n, d, False, ctx.scaling)
+                dq = (dq.float() + dq_p.float()).to(q.dtype)
+                gk[:d] += dk_p
+                gv[:d] += dv_p
         else:
+            q, _ = ctx.saved_tensors
             with torch.enable_grad():
                 q_ = q.detach().requires_grad_()
                 k_all = kb[: d + n].detach().requires_grad_()
                 v_all = vb[: d + n].detach().requires_grad_()
                 ref = _reference_attention(meta, q_, k_all, v_all, ctx.scaling)
                 dq, dk_all, dv_all = torch.autograd.grad(ref, (q_, k_all, v_all), grad_out)
-            dk_all, dv_all = dk_all.float(), dv_all.float()
-        gk, gv = meta.stack.grad_buffers(layer)
-        gk[:d] += dk_all[:d]
-        gv[:d] += dv_all[:d]
+            gk[:d] += dk_all[:d]
+            gv[:d] += dv_all[:d]
+            dk_own, dv_own = dk_all[d:].float(), dv_all[d:].float()
         # own K/V: the kernel's gradient plus what descendants left in these slots; then free them
-        dk = (dk_all[d:] + gk[d : d + n]).to(q.dtype)
-        dv = (dv_all[d:] + gv[d : d + n]).to(q.dtype)
+        dk = (dk_own + gk[d : d + n]).to(q.dtype)
+        dv = (dv_own + gv[d : d + n]).to(q.dtype)
         gk[d : d + n] = 0
         gv[d : d + n] = 0
         return dq, dk, dv, None, None, None

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .._device import upload
 from ..attention.dispatch import install
 from ..engine import check_loss_terms, tree_forward
 from ..forest import PrefixForest, ScoringPlan
@@ -51,7 +52,12 @@ def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype
 
 
 class DepthFirstWalk:
-    """One walk of one forest: holds the plan, the K/V stack and the scoring bookkeeping."""
+    """One walk of one forest: holds the plan, the K/V stack and every unit's device tensors.
+
+    All index tensors (tokens, positions, attention segments, scoring rows, loss-term indices)
+    are built on the CPU and uploaded in one copy before the first kernel, so the walk itself
+    never makes the CPU wait for the GPU (``_device.upload``).
+    """
 
     def __init__(self, parts: ModelParts, forest: PrefixForest, scoring: ScoringPlan, backend: str,
                  temperature: float, chunk_size: int | None) -> None:
@@ -62,53 +68,53 @@ class DepthFirstWalk:
         self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size)
         self.device = parts.device
         self.stack = KVStack(parts.num_layers, self.plan.stack_size)
-        # position of each scoring row inside its unit's row list
-        self.row_pos = np.empty(scoring.num_predictions, dtype=np.int64)
-        for rows in self.plan.rows_of_unit:
-            self.row_pos[rows] = np.arange(rows.shape[0])
-        # pushed units' metadata, kept from push to pop so the recompute does not rebuild it
-        self._pushed: dict[int, tuple[UnitAttentionMetadata, np.ndarray]] = {}
+        units = self.plan.units
+        self.metas = UnitAttentionMetadata.build_all(
+            [unit_layout(self.plan.forest, u) for u in units], [u.depth for u in units], self.stack,
+            self.plan.forest.max_depth, backend, self.device)
+        self._upload_scoring()
         install(parts.causal_lm.config._attn_implementation)
+
+    def _upload_scoring(self) -> None:
+        """Per unit: its scoring rows (global ids), their sources (unit-relative) and targets, and
+        its loss terms (row inside the unit, sequence, position)."""
+        plan, scoring = self.plan, self.scoring
+        row_pos = np.empty(scoring.num_predictions, dtype=np.int64)  # a row's index inside its unit
+        arrays = []
+        for u, rows in enumerate(plan.rows_of_unit):
+            row_pos[rows] = np.arange(rows.shape[0])
+            arrays += [rows, scoring.pred_src[rows] - plan.units[u].start,
+                       plan.forest.tokens[scoring.pred_dst[rows]]]
+        for terms in plan.terms_of_unit:
+            arrays += [row_pos[scoring.gather[terms]], scoring.seq_idx[terms], scoring.pos[terms]]
+        tensors = upload(arrays, torch.int64, self.device)
+        n = len(plan.units)
+        self.rows = tensors[0 : 3 * n : 3]
+        self.src = tensors[1 : 3 * n : 3]
+        self.targets = tensors[2 : 3 * n : 3]
+        self.term_row = tensors[3 * n :: 3]
+        self.term_seq = tensors[3 * n + 1 :: 3]
+        self.term_pos = tensors[3 * n + 2 :: 3]
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
-        unit = self.plan.units[u]
-        cached = self._pushed.pop(u, None)
-        if cached is None:
-            layout = unit_layout(self.plan.forest, unit)
-            meta = UnitAttentionMetadata.build(layout, self.stack, unit.depth, self.plan.forest.max_depth,
-                                               self.backend, self.device)
-            cached = (meta, layout["tokens"])
-        meta, tokens = cached
+        meta = self.metas[u]
         meta.calls = 0
-        if unit.pushed:
-            self._pushed[u] = cached
-        return tree_forward(self.parts, tokens, meta)
-
-    def _release(self, u: int) -> None:
-        """A popped unit's metadata is no longer needed."""
-        self._pushed.pop(u, None)
+        return tree_forward(self.parts, meta.input_ids, meta)
 
     def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool):
-        rows = self.plan.rows_of_unit[u]
-        src = torch.from_numpy(self.scoring.pred_src[rows] - self.plan.units[u].start).to(self.device)
-        targets = torch.from_numpy(self.plan.forest.tokens[self.scoring.pred_dst[rows]]).to(self.device)
-        return score_predictions(hidden, self.parts, src, targets, self.temperature, with_entropy)
+        return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy)
 
     def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable) -> torch.Tensor:
         """The unit's loss terms, plus a zero anchor on the hidden states so the backward reaches
         every layer's attention (where descendants' K/V gradients enter) even with no terms."""
         logp, _ = self._score(u, hidden, False)
-        terms = self.plan.terms_of_unit[u]
         # zero-valued, but connects every layer and the LM head like the untreed graph does
         anchor = hidden.sum() * 0 + logp.sum() * 0
-        if terms.shape[0] == 0:
+        if self.term_row[u].shape[0] == 0:
             return anchor.float()
-        local = torch.from_numpy(self.row_pos[self.scoring.gather[terms]]).to(self.device)
-        lp = logp.index_select(0, local)
-        seq_idx = torch.from_numpy(self.scoring.seq_idx[terms]).to(self.device)
-        pos = torch.from_numpy(self.scoring.pos[terms]).to(self.device)
-        out = token_loss(lp, seq_idx, pos)
+        lp = logp.index_select(0, self.term_row[u])
+        out = token_loss(lp, self.term_seq[u], self.term_pos[u])
         check_loss_terms(out, lp)
         return out.sum() + anchor
 
@@ -121,15 +127,13 @@ class DepthFirstWalk:
         ent = torch.zeros(P, dtype=torch.float32, device=self.device) if with_entropy else None
         for step in self.plan.steps:
             if step.op == "pop":
-                self._release(step.unit)
                 continue
             hidden = self._forward(step.unit)
-            rows = torch.from_numpy(self.plan.rows_of_unit[step.unit]).to(self.device)
-            if rows.numel():
+            if self.rows[step.unit].shape[0]:
                 lp, en = self._score(step.unit, hidden, with_entropy)
-                logp[rows] = lp
+                logp[self.rows[step.unit]] = lp
                 if ent is not None:
-                    ent[rows] = en
+                    ent[self.rows[step.unit]] = en
         return logp, ent
 
     def backward(self, token_loss: Callable, keep_graph: bool) -> float:
@@ -151,8 +155,6 @@ class DepthFirstWalk:
             else:
                 with torch.enable_grad():
                     loss = self._unit_loss(u, self._forward(u), token_loss)
-            if step.op == "pop":
-                self._release(u)
             if loss.requires_grad:
                 loss.backward()
             total += loss.detach().double()

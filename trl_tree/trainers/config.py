@@ -45,10 +45,11 @@ class TreeArguments:
         metadata={"help": "dfs mode: most tokens one step of the walk runs (long nodes are cut into chunks, small "
                   "sibling subtrees grouped up to it). None: whole nodes."},
     )
-    tree_keep_graph: bool = field(
-        default=False,
+    tree_keep_graph: bool | None = field(
+        default=None,
         metadata={"help": "dfs mode: keep each node's graph on the way down instead of recomputing it on the way "
-                  "up (faster, memory of the whole path)."},
+                  "up (one forward less per inner node; memory of the whole path). None: keep it when the model "
+                  "uses gradient checkpointing (the kept graph is then only each layer's input)."},
     )
 
     def _check_tree_fields(self) -> None:
@@ -60,6 +61,8 @@ class TreeArguments:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.tree_keep_graph not in (None, True, False):
+            raise ValueError(f"tree_keep_graph must be True, False or None, got {self.tree_keep_graph!r}")
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""Partial attention: softmax attention over one part of the keys, mergeable by log-sum-exp.
+
+Attention over keys ``K = K_a ∪ K_b`` equals the two partial attentions merged with their
+log-sum-exps: ``out = e^(lse_a - lse)·out_a + e^(lse_b - lse)·out_b``, ``lse = logaddexp(lse_a,
+lse_b)``. The backward needs no merge rule of its own: FlashAttention's backward of one part,
+handed the *merged* output and log-sum-exp, returns exactly that part's share of ``dq`` and its
+keys' ``dk``/``dv`` (it rebuilds ``P = exp(scale·QKᵀ - lse)`` and ``D = rowsum(dO ∘ O)`` from what
+it is given) — the recipe ring attention uses across devices.
+
+The depth-first walk uses it to attend a unit's queries to the cached prefix (one dense,
+non-causal rectangle read in place from the K/V stack) and to the unit's own tree (a small varlen
+gather), instead of gathering the whole prefix once per node of the unit.
+
+Kernel pairs share one contract (varlen layout ``q [n, H, D]``, ``k``/``v [m, Hkv, D]``,
+``lse [H, n]`` float32, causal aligned bottom-right):
+
+- ``flash_partial_forward/backward``: PyTorch's built-in FlashAttention-2 varlen kernels;
+- ``math_partial_forward/backward``: the same in plain PyTorch, a per-segment reference that
+  lets the CPU tests check the split, the merge and the backward in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys into the attention over their union."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
+    w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
+    acc = torch.promote_types(out_a.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays fp64
+    out = out_a.to(acc) * w_a + out_b.to(acc) * w_b
+    return out.to(out_a.dtype), lse
+
+
+def _check_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"FlashAttention varlen returned a log-sum-exp of shape {tuple(lse.shape)}, expected "
+            f"[heads, tokens] = {(q.shape[1], q.shape[0])}; this PyTorch build lays it out differently"
+        )
+    return lse
+
+
+def flash_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """PyTorch's FA2 varlen forward; returns ``(out, lse, state)`` (state: what backward needs)."""
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    return out, _check_lse(lse, q), (rng_state, unused)
+
+
+def flash_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
+                           causal: bool, scale: float):
+    """``(dq, dk, dv)`` of one part, given the merged ``out`` and ``lse`` (model dtype)."""
+    rng_state, unused = state
+    return torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+    )
+
+
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        yield slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+
+
+def _accumulator(x: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (the reference must not be the less precise side)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _segment_probs_logits(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores ``[H, lq, lk]`` with -inf where a causal (bottom-right) mask hides a key."""
+    acc = _accumulator(q)
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        hidden = torch.arange(lk, device=q.device)[None, :] > qpos
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def math_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """Reference of :func:`flash_partial_forward` (computes in fp32; same layouts)."""
+    acc = _accumulator(q)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    rep = q.shape[1] // k.shape[1]
+    for sq, sk in _segments(cu_q, cu_k):
+        scores = _segment_probs_logits(q[sq], k[sk], causal, scale)
+        seg_lse = torch.logsumexp(scores, dim=-1)  # [H, lq]
+        probs = torch.exp(scores - seg_lse[..., None])
+        vv = v[sk].to(acc).repeat_interleave(rep, dim=1)
+        out[sq] = torch.einsum("hqk,khd->qhd", probs, vv)
+        lse[:, sq] = seg_lse
+    return out.to(q.dtype), lse, None
+
+
+def math_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
+                          causal: bool, scale: float):
+    """Reference of :func:`flash_partial_backward`: ``dS = P ∘ (dP - rowsum(dO ∘ O))``."""
+    acc = _accumulator(q)
+    rep = q.shape[1] // k.shape[1]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)  # [H, n]
+    for sq, sk in _segments(cu_q, cu_k):
+        scores = _segment_probs_logits(q[sq], k[sk], causal, scale)
+        probs = torch.exp(scores - lse[:, sq, None])  # [H, lq, lk] under the merged normaliser
+        kk = k[sk].to(acc).repeat_interleave(rep, dim=1)
+        vv = v[sk].to(acc).repeat_interleave(rep, dim=1)
+        do = grad_out[sq].to(acc)
+        dv_seg = torch.einsum("hqk,qhd->khd", probs, do)
+        dp = torch.einsum("qhd,khd->hqk", do, vv)
+        ds = probs * (dp - delta[:, sq, None]) * scale
+        dq[sq] += torch.einsum("hqk,khd->qhd", ds, kk)
+        dk_seg = torch.einsum("hqk,qhd->khd", ds, q[sq].to(acc))
+        # fold the query heads back onto their K/V head (GQA)
+        dk[sk] += dk_seg.view(dk_seg.shape[0], k.shape[1], rep, -1).sum(2)
+        dv[sk] += dv_seg.view(dv_seg.shape[0], v.shape[1], rep, -1).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+#: kernel pairs by dfs backend name (tests swap in the math pair to run the split path on a CPU)
+PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward)}
