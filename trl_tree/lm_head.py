@@ -25,13 +25,19 @@ def score_predictions(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
+    head_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``targets`` under the LM head applied to ``hidden[pred_src]``.
 
-    ``hidden`` is ``[U, H]``; returns ``[P]`` float32 tensors.
+    ``hidden`` is ``[U, H]``; returns ``[P]`` float32 tensors. ``head_grad=False`` treats the head's
+    weight and bias as constants: the backward then only reaches ``hidden`` and skips TRL's
+    full-size fp32 weight-gradient buffer (the depth-first walk defers that gradient to one call).
     """
     weight = parts.lm_head.weight
     bias = getattr(parts.lm_head, "bias", None)
+    if not head_grad:
+        weight = weight.detach()
+        bias = bias.detach() if bias is not None else None
     if pred_src.numel() == 0:
         # nothing to score (single-token sequences): an empty result still connected to the model, so
         # a backward leaves zero gradients where autograd on the untreed path leaves them too

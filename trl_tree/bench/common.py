@@ -17,13 +17,19 @@ import torch
 
 def time_cuda(
     fn: Callable[[], object], warmup: int = 2, iters: int = 5, reset: Callable[[], object] | None = None
-) -> tuple[float, float]:
-    """Median milliseconds of ``fn`` over ``iters`` runs after ``warmup``, and its peak memory (GiB).
+) -> tuple[float, float, float]:
+    """Median milliseconds of ``fn`` over ``iters`` (≥ 2) runs after ``warmup``, and two peaks (GiB).
 
-    Peak memory is measured above what is allocated after ``reset`` (pass one that drops the
-    gradients, e.g. ``model.zero_grad(set_to_none=True)``): it then counts the step's gradients,
-    activations and temporaries, everything above the weights.
+    ``peak``: above what is allocated after ``reset`` (pass one that drops the gradients, e.g.
+    ``model.zero_grad(set_to_none=True)``) during the first timed run: the step's gradients,
+    activations and temporaries — everything above the weights.
+    ``activation_peak``: above weights *and* gradients, over the later runs (the gradients then
+    exist; ``fn`` must accumulate into them or zero them in place, not free them): what the
+    computation itself needs — the figure the depth-first walk's memory target is about, and the
+    same for every method, since all of them end with the same gradients.
     """
+    if iters < 2:
+        raise ValueError("time_cuda needs iters >= 2 (the activation peak is taken after the first run)")
     for _ in range(warmup):
         fn()
     if reset is not None:
@@ -32,16 +38,20 @@ def time_cuda(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(iters):
+    times, peak = [], 0.0
+    for i in range(iters):
+        if i == 1:
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            base_with_grads = torch.cuda.memory_allocated()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return statistics.median(times), peak
+    activation_peak = (torch.cuda.max_memory_allocated() - base_with_grads) / 2**30
+    return statistics.median(times), peak, activation_peak
 
 
 def bench_model(size: str) -> torch.nn.Module:

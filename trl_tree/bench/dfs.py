@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             base = padded_step(model, batch_seqs, batch_adv, score_from, n_terms)
 
             def step():
-                model.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=False)  # in place: see time_cuda
                 base()
             return step
 
         def tree(mode, **kw):
             def step():
-                model.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=False)
                 tree_backward(model, seqs, token_loss, mode=mode, score_from=score_from, **kw)
             return step
 
@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         for path, fn in paths.items():
             torch.cuda.empty_cache()
             try:
-                ms, peak = time_cuda(fn, warmup=1, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
-                rows.append({"path": path, "ms": round(ms, 1), "peak_gib": round(peak, 3)})
+                ms, peak, act = time_cuda(fn, warmup=1, iters=args.iters,
+                                          reset=lambda: model.zero_grad(set_to_none=True))
+                rows.append({"path": path, "ms": round(ms, 1), "peak_gib": round(peak, 3),
+                             "activation_peak_gib": round(act, 3)})
             except torch.OutOfMemoryError:
                 rows.append({"path": path, "error": "out of memory"})
             print(name, rows[-1], flush=True)
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             if "ms" in r and "ms" in base:
                 r["speedup"] = round(base["ms"] / r["ms"], 3) if r["path"] != "longest_single" else None
                 r["peak_over_longest_single"] = round(r["peak_gib"] / single["peak_gib"], 3) if "peak_gib" in single else None
+                if "activation_peak_gib" in single:
+                    r["activation_peak_over_longest_single"] = round(
+                        r["activation_peak_gib"] / single["activation_peak_gib"], 3)
         results.append({"workload": name, "T": T, "U": U, "T_over_U": round(T / U, 3), "max_depth": forest.max_depth,
                         "num_sequences": len(seqs), "rows": rows})
         print(f"\n{name}: T={T} U={U} T/U={T / U:.2f} longest={forest.max_depth}")

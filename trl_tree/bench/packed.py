@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     labels[:, :-C] = -100
 
     def trl_padded():
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)  # in place: the gradients' memory stays (time_cuda's activation peak)
         out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
         lp = out.log_probs[:, -C:]
         loss = -(lp * advantages[:, None]).sum() / n_terms
@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     causal_labels[:, : U - n_terms] = -100
 
     def causal_u():
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
         out = model(input_ids=causal_ids, labels=causal_labels, fused_lm_head=True)
         out.log_probs.sum().backward()
 
     def tree(backend, the_forest=None):
         def step():
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=False)
             engine.DENSE_UNSHARED_BATCHES = the_forest is None  # padding-free stays varlen packing
             try:
                 return tree_backward(model, the_forest if the_forest is not None else seqs, token_loss,
@@ -96,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     def record(name, fn, flop_limit, cost):
         torch.cuda.empty_cache()
         try:
-            ms, peak = time_cuda(fn, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
+            ms, peak, act_peak = time_cuda(fn, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
             print(f"{name}: out of memory", flush=True)
             return
-        row = {"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 2), "tokens": cost.tokens,
+        row = {"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 2),
+               "activation_peak_gib": round(act_peak, 3), "tokens": cost.tokens,
                "flop_limit": round(flop_limit, 3) if flop_limit else None}
         rows.append(row)
         print(row, flush=True)

@@ -68,8 +68,9 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     for name, fn in paths.items():
         torch.cuda.empty_cache()
         try:
-            ms, peak = time_cuda(fn, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
-            rows.append({"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 3)})
+            ms, peak, act = time_cuda(fn, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
+            rows.append({"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 3),
+                         "activation_peak_gib": round(act, 3)})
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
         print(w.name, rows[-1], flush=True)
@@ -82,9 +83,11 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
                 r["fraction_of_flop_limit"] = round(r["speedup"] / limit, 3)
                 r["speedup_over_T_U"] = round(r["speedup"] / (T / U), 3)
     pf, tp = by["padding_free"].get("ms"), by["tree_packed"].get("ms")
-    single = by.get("longest_single", {}).get("peak_gib")
-    if single and "peak_gib" in by.get("tree_dfs", {}):
-        by["tree_dfs"]["peak_over_longest_single"] = round(by["tree_dfs"]["peak_gib"] / single, 3)
+    single = by.get("longest_single", {})
+    dfs = by.get("tree_dfs", {})
+    for key in ("peak_gib", "activation_peak_gib"):
+        if single.get(key) and key in dfs:
+            dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
     return {"workload": w.name, "description": w.description, "num_sequences": len(seqs), "T": T, "U": U,
             "T_over_U": round(T / U, 3), "longest": int(forest.max_depth), "flop_limit": round(limit, 3),
             "tree_over_padding_free": round(tp / pf, 3) if pf and tp else None, "rows": rows}
@@ -96,9 +99,10 @@ def markdown(payload: dict) -> str:
              f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; bf16, "
              "HF gradient checkpointing, random-init Qwen2.5-shaped models; median of CUDA-event timed steps after "
              "warm-up, all paths in one process on the same rollouts. Speed-up is over TRL's padded path; "
-             "limit = FLOP limit (DESIGN); peak = memory above the weights.", "",
+             "limit = FLOP limit (DESIGN); act. peak = peak memory above the weights and the gradients "
+             "(activations and temporaries; `time_cuda`).", "",
              "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
-             "÷ limit | tree dfs | dfs peak ÷ longest single | peak TRL → packed |",
+             "÷ limit | tree dfs | dfs act. peak ÷ longest single | act. peak TRL → packed |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size, results in payload["results"].items():
         for r in results:
@@ -108,13 +112,15 @@ def markdown(payload: dict) -> str:
                 x = by.get(path, {})
                 return f"{x['ms']:.0f} ms" if "ms" in x else x.get("error", "–")
             tp, dfs = by.get("tree_packed", {}), by.get("tree_dfs", {})
-            peak = f"{by['trl_padded'].get('peak_gib', float('nan')):.2f} → {tp.get('peak_gib', float('nan')):.2f} GiB"
+            key = "activation_peak_gib" if "activation_peak_gib" in tp else "peak_gib"  # older payloads
+            peak = f"{by['trl_padded'].get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
                 f"{tp.get('fraction_of_flop_limit', 0):.2f} | {dfs_cell} | "
-                f"{dfs.get('peak_over_longest_single', '–')} | {peak} |")
+                f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
+                f"{peak} |")
     lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(
         f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
         for r in res if r["workload"] == "W5" and r.get("tree_over_padding_free"))]

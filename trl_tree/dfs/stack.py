@@ -30,10 +30,16 @@ from ..attention.partial import PARTIAL_KERNELS, merge_partials
 
 
 class KVStack:
-    """Per-layer K/V buffers ``[slots, Hkv, D]`` and their fp32 gradient buffers (lazy allocation)."""
+    """Per-layer K/V buffers ``[slots, Hkv, D]`` and fp32 gradient buffers (lazy allocation).
 
-    def __init__(self, num_layers: int, slots: int) -> None:
+    Gradients only ever wait in the slots of *pushed* nodes (a group's own K/V gradients stay
+    inside its autograd graph), so the gradient buffers cover ``grad_slots`` ≤ ``slots``: the
+    deepest pushed path, not the largest group hanging below it.
+    """
+
+    def __init__(self, num_layers: int, slots: int, grad_slots: int | None = None) -> None:
         self.slots = slots
+        self.grad_slots = slots if grad_slots is None else grad_slots
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.dk: list[torch.Tensor | None] = [None] * num_layers
@@ -46,9 +52,15 @@ class KVStack:
             self.v[layer] = like.new_zeros(shape)
         return self.k[layer], self.v[layer]
 
+    def release(self) -> None:
+        """Drop every buffer (the walk is over)."""
+        n = len(self.k)
+        self.k, self.v, self.dk, self.dv = [None] * n, [None] * n, [None] * n, [None] * n
+
     def grad_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dk[layer] is None:
-            self.dk[layer] = torch.zeros(self.k[layer].shape, dtype=torch.float32, device=self.k[layer].device)
+            shape = (self.grad_slots, *self.k[layer].shape[1:])
+            self.dk[layer] = torch.zeros(shape, dtype=torch.float32, device=self.k[layer].device)
             self.dv[layer] = torch.zeros_like(self.dk[layer])
         return self.dk[layer], self.dv[layer]
 
@@ -62,6 +74,7 @@ class UnitAttentionMetadata:
     depth: int  # prefix slots [0, depth)
     num_tokens: int  # the unit's tokens = queries
     max_depth: int
+    pushed: bool  # its descendants leave K/V gradients in its slots
     input_ids: torch.Tensor  # [1, n]
     position_ids: torch.Tensor  # [1, n]
     kv_local: torch.Tensor | None  # per node, its in-unit key rows (unit-relative); None: each node only itself
@@ -76,8 +89,8 @@ class UnitAttentionMetadata:
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def build_all(cls, layouts: list[dict], depths: list[int], stack: KVStack, max_depth: int, backend: str,
-                  device: torch.device) -> list[UnitAttentionMetadata]:
+    def build_all(cls, layouts: list[dict], depths: list[int], pushed: list[bool], stack: KVStack, max_depth: int,
+                  backend: str, device: torch.device) -> list[UnitAttentionMetadata]:
         """Every unit's metadata from two uploads (int64 and int32) made before any compute."""
         long_arrays, int_arrays = [], []
         for layout, depth in zip(layouts, depths):
@@ -92,7 +105,7 @@ class UnitAttentionMetadata:
             cu_q, cu_k, prefix_cu_q, prefix_cu_k = ints[4 * i : 4 * i + 4]
             n = int(layout["tokens"].shape[0])
             metas.append(cls(
-                backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth,
+                backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth, pushed=pushed[i],
                 input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
                 kv_local=None if kv_local.shape[0] == n else kv_local,  # n rows: each node sees only itself
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -193,9 +206,9 @@ class _UnitAttention(torch.autograd.Function):
             gk[:d] += dk_all[:d]
             gv[:d] += dv_all[:d]
             dk_own, dv_own = dk_all[d:].float(), dv_all[d:].float()
-        # own K/V: the kernel's gradient plus what descendants left in these slots; then free them
-        dk = (dk_own + gk[d : d + n]).to(q.dtype)
-        dv = (dv_own + gv[d : d + n]).to(q.dtype)
-        gk[d : d + n] = 0
-        gv[d : d + n] = 0
-        return dq, dk, dv, None, None, None
+        if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these slots; free them
+            dk_own = dk_own + gk[d : d + n]
+            dv_own = dv_own + gv[d : d + n]
+            gk[d : d + n] = 0
+            gv[d : d + n] = 0
+        return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), None, None, None

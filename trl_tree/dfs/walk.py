@@ -10,6 +10,13 @@ Per step:
 - ``pop``: backward of the node — its own loss terms, plus the K/V gradient its descendants left
   in its slots (injected by the unit attention's backward).
 
+The LM head's weight gradient is not taken unit by unit: TRL's head kernel allocates a full-size
+fp32 weight-gradient buffer per call, which would sit on top of the unit's activations, the K/V
+stack and the model's gradients at every unit. Units score their rows against a constant head
+(gradient to the hidden states only) and record each row's final hidden state and incoming
+gradient; after the last unit, when only the gradients remain, one head call over all rows
+back-propagates into the weight (the same sum, one buffer, at the walk's quietest moment).
+
 Every per-token loss term is fixed before the walk (``token_loss`` is called on each unit's terms
 and must be elementwise: term n may depend only on ``logps[n]``, ``seq_idx[n]``, ``pos[n]``).
 """
@@ -67,11 +74,12 @@ class DepthFirstWalk:
         self.temperature = temperature
         self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size)
         self.device = parts.device
-        self.stack = KVStack(parts.num_layers, self.plan.stack_size)
         units = self.plan.units
+        grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)
+        self.stack = KVStack(parts.num_layers, self.plan.stack_size, grad_slots)
         self.metas = UnitAttentionMetadata.build_all(
-            [unit_layout(self.plan.forest, u) for u in units], [u.depth for u in units], self.stack,
-            self.plan.forest.max_depth, backend, self.device)
+            [unit_layout(self.plan.forest, u) for u in units], [u.depth for u in units], [u.pushed for u in units],
+            self.stack, self.plan.forest.max_depth, backend, self.device)
         self._upload_scoring()
         install(parts.causal_lm.config._attn_implementation)
 
@@ -95,6 +103,8 @@ class DepthFirstWalk:
         self.term_row = tensors[3 * n :: 3]
         self.term_seq = tensors[3 * n + 1 :: 3]
         self.term_pos = tensors[3 * n + 2 :: 3]
+        # every row's target in row order, for the deferred head call
+        (self.all_targets,) = upload([plan.forest.tokens[scoring.pred_dst]], torch.int64, self.device)
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
@@ -105,10 +115,17 @@ class DepthFirstWalk:
     def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool):
         return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy)
 
-    def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable) -> torch.Tensor:
+    def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable, head: _DeferredHead | None = None
+                   ) -> torch.Tensor:
         """The unit's loss terms, plus a zero anchor on the hidden states so the backward reaches
-        every layer's attention (where descendants' K/V gradients enter) even with no terms."""
-        logp, _ = self._score(u, hidden, False)
+        every layer's attention (where descendants' K/V gradients enter) even with no terms.
+        With ``head``, the LM head is a constant here and ``head`` records what its gradient needs."""
+        if head is None:
+            logp, _ = self._score(u, hidden, False)
+        else:
+            logp, _ = score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, False,
+                                        head_grad=False)
+            logp = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp)
         # zero-valued, but connects every layer and the LM head like the untreed graph does
         anchor = hidden.sum() * 0 + logp.sum() * 0
         if self.term_row[u].shape[0] == 0:
@@ -137,15 +154,17 @@ class DepthFirstWalk:
         return logp, ent
 
     def backward(self, token_loss: Callable, keep_graph: bool) -> float:
-        """Forward, loss and backward of every unit in depth-first order; returns the loss value."""
+        """Forward, loss and backward of every unit in depth-first order, then the LM head's weight
+        gradient in one call; returns the loss value."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         kept: dict[int, torch.Tensor] = {}
+        head = _DeferredHead(self.scoring.num_predictions, self.device) if self._head_trains() else None
         for step in self.plan.steps:
             u = step.unit
             if step.op == "push":
                 if keep_graph:
                     with torch.enable_grad():
-                        kept[u] = self._unit_loss(u, self._forward(u), token_loss)
+                        kept[u] = self._unit_loss(u, self._forward(u), token_loss, head)
                 else:
                     with torch.no_grad():
                         self._forward(u)
@@ -154,8 +173,56 @@ class DepthFirstWalk:
                 loss = kept.pop(u)
             else:
                 with torch.enable_grad():
-                    loss = self._unit_loss(u, self._forward(u), token_loss)
+                    loss = self._unit_loss(u, self._forward(u), token_loss, head)
             if loss.requires_grad:
                 loss.backward()
             total += loss.detach().double()
+        if head is not None:
+            self.stack.release()  # the head call below is then the only thing alive besides the gradients
+            head.backward(self.parts, self.all_targets, self.temperature)
         return float(total)
+
+    def _head_trains(self) -> bool:
+        head = self.parts.lm_head
+        bias = getattr(head, "bias", None)
+        return head.weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
+class _DeferredHead:
+    """Per scoring row: its final hidden state and the gradient its log-prob received."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.hidden: torch.Tensor | None = None  # [P, H], allocated at the first unit (dtype of the model)
+        self.grad = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        self.num_rows = num_rows
+
+    def record(self, rows: torch.Tensor, hidden_rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        if self.hidden is None:
+            self.hidden = hidden_rows.new_zeros(self.num_rows, hidden_rows.shape[-1])
+        self.hidden[rows] = hidden_rows.detach()
+        return _TapGrad.apply(logp, self.grad, rows)
+
+    def backward(self, parts: ModelParts, targets: torch.Tensor, temperature: float) -> None:
+        """One head call over every row (hidden states constant): gradients of weight and bias only."""
+        hidden = self.hidden
+        if hidden is None:  # no unit ran (cannot happen for a non-empty forest); keep the shapes valid
+            hidden = torch.zeros(self.num_rows, parts.lm_head.weight.shape[1], device=self.grad.device,
+                                 dtype=parts.lm_head.weight.dtype)
+        with torch.enable_grad():
+            index = torch.arange(self.num_rows, device=hidden.device)
+            logp, _ = score_predictions(hidden, parts, index, targets, temperature, False)
+            torch.autograd.backward(logp, self.grad.to(logp.dtype))
+
+
+class _TapGrad(torch.autograd.Function):
+    """Identity on the log-probs whose backward also writes their gradient into ``buffer[rows]``."""
+
+    @staticmethod
+    def forward(ctx, logp, buffer, rows):
+        ctx.buffer, ctx.rows = buffer, rows
+        return logp.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buffer.index_add_(0, ctx.rows, grad.float())
+        return grad, None, None
