@@ -191,3 +191,8 @@ def test_split_attention_under_checkpointing(split_attention_on_cpu):
     model.train()
     check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4)  # keep_graph False
     check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4, keep_graph=None)  # auto: kept
+
+
+def test_keep_graph_must_be_a_bool_or_none(qwen2):
+    with pytest.raises(TypeError, match="keep_graph"):
+        tree_backward(qwen2, WORKLOADS["grpo_group"], weighted_loss, mode="dfs", keep_graph="yes")

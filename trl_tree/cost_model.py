@@ -10,10 +10,10 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
 - dfs keeps it for one unit (≤ ``chunk_size`` tokens) plus the K/V stack of the path: per slot and
   layer ``kv_heads·head_dim`` values in K and V (model dtype) and their fp32 gradients.
 
-Time: measured on an H200 (docs/benchmarks), packed was never slower than dfs on the same
-forest — dfs adds one launch-bound forward+backward per unit and recomputes pushed nodes — so
-the choice is memory-driven: packed whenever it fits, else dfs with the largest chunk that fits
-(fewest calls).
+Time: measured on an H200 (docs/benchmarks), packed was faster than dfs on every forest but one
+(the 7B agentic tree, where dfs led by 4%) — dfs adds one launch-bound forward+backward per unit
+— so the choice is memory-driven: packed whenever it fits, else dfs with the largest chunk that
+fits (fewest calls).
 """
 
 from __future__ import annotations
