@@ -196,3 +196,61 @@ def test_split_attention_under_checkpointing(split_attention_on_cpu):
 def test_keep_graph_must_be_a_bool_or_none(qwen2):
     with pytest.raises(TypeError, match="keep_graph"):
         tree_backward(qwen2, WORKLOADS["grpo_group"], weighted_loss, mode="dfs", keep_graph="yes")
+
+
+def _count_walk_forwards(monkeypatch) -> list[int]:
+    from trl_tree.dfs import walk
+
+    calls = [0]
+    original = walk.tree_forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(walk, "tree_forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_keep_graph_default_follows_gradient_checkpointing(monkeypatch, checkpointing):
+    """keep_graph=None keeps pushed nodes' graphs (no second forward of them) exactly when the model
+    checkpoints its layers."""
+    model = tiny_model("llama")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seqs = deep_tree(levels=6, seed=1)
+    forest = PrefixForest.from_sequences(seqs)
+    plan = plan_walk(forest, forest.scoring_plan(), chunk_size=4)
+    pushes = sum(1 for s in plan.steps if s.op == "push")
+    assert pushes > 0
+    calls = _count_walk_forwards(monkeypatch)
+    tree_backward(model, seqs, weighted_loss, mode="dfs", chunk_size=4)
+    assert calls[0] == plan.num_calls + (0 if checkpointing else pushes)
+
+
+def test_lm_head_weight_gradient_taken_once_per_walk(qwen2, monkeypatch):
+    """Units score against a constant head; one call after the walk differentiates the weight
+    (TRL's kernel allocates a full-size fp32 weight-gradient buffer per differentiated call)."""
+    from trl_tree import lm_head
+
+    trainable_calls = []
+    original = lm_head.ChunkedLogProbFunction
+
+    class Counting:
+        @staticmethod
+        def apply(hidden, weight, *args):
+            trainable_calls.append(weight.requires_grad)
+            return original.apply(hidden, weight, *args)
+
+    monkeypatch.setattr(lm_head, "ChunkedLogProbFunction", Counting)
+    seqs = deep_tree()
+    forest = PrefixForest.from_sequences(seqs)
+    assert plan_walk(forest, forest.scoring_plan(), chunk_size=4).num_calls > 1
+    check_dfs(qwen2, seqs, chunk_size=4)  # exact, with the deferred head
+    trainable_calls.clear()
+    qwen2.zero_grad(set_to_none=True)
+    tree_backward(qwen2, seqs, weighted_loss, mode="dfs", chunk_size=4)
+    qwen2.zero_grad(set_to_none=True)
+    assert trainable_calls.count(True) == 1 and len(trainable_calls) > 2

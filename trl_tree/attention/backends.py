@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import TreeAttentionMetadata
+from .partial import flash_partial_backward, flash_partial_forward
 
 BACKENDS = ("flash", "torch_flash", "flex", "sdpa", "eager")
 
@@ -93,20 +94,15 @@ def to_varlen(x: torch.Tensor) -> torch.Tensor:
 def flash_varlen_forward(q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
     """PyTorch's FA2 varlen forward over rows ``kv_index`` of ``k``/``v``; returns (out, saved)."""
     kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-        q, kg, vg, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
-    )
-    return out, (lse, rng_state, unused)
+    out, lse, state = flash_partial_forward(q, kg, vg, cu_q, cu_k, max_q, max_k, True, scale)
+    return out, (lse, *state)
 
 
 def flash_varlen_backward(grad_out, q, k, v, out, saved, kv_index, cu_q, cu_k, max_q, max_k, scale):
     """Gradients of :func:`flash_varlen_forward`: ``dq`` and fp32 ``dk``/``dv`` summed over the gather."""
-    lse, rng_state, unused = saved
+    lse, *state = saved
     kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-    dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), q, kg, vg, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True,
-        rng_state, unused, scale=scale,
-    )
+    dq, dkg, dvg = flash_partial_backward(grad_out, q, kg, vg, out, lse, state, cu_q, cu_k, max_q, max_k, True, scale)
     n = k.shape[0]
     return dq, _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
 

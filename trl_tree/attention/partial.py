@@ -14,7 +14,8 @@ gather), instead of gathering the whole prefix once per node of the unit.
 Kernel pairs share one contract (varlen layout ``q [n, H, D]``, ``k``/``v [m, Hkv, D]``,
 ``lse [H, n]`` float32, causal aligned bottom-right):
 
-- ``flash_partial_forward/backward``: PyTorch's built-in FlashAttention-2 varlen kernels;
+- ``flash_partial_forward/backward``: PyTorch's built-in FlashAttention-2 varlen kernels (also
+  the kernels under the packed mode's ``torch_flash`` backend, with one part);
 - ``math_partial_forward/backward``: the same in plain PyTorch, a per-segment reference that
   lets the CPU tests check the split, the merge and the backward in fp32.
 """
@@ -27,6 +28,8 @@ import torch
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attentions over disjoint keys into the attention over their union."""
+    _check_lse_layout(lse_a, out_a)
+    _check_lse_layout(lse_b, out_b)
     lse = torch.logaddexp(lse_a, lse_b)
     w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
     w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
@@ -35,13 +38,13 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out.to(out_a.dtype), lse
 
 
-def _check_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    if lse.shape != (q.shape[1], q.shape[0]):
+def _check_lse_layout(lse: torch.Tensor, out: torch.Tensor) -> None:
+    """The merge reads ``lse`` as ``[heads, tokens]``; refuse a kernel that lays it out otherwise."""
+    if lse.shape != (out.shape[1], out.shape[0]):
         raise RuntimeError(
             f"FlashAttention varlen returned a log-sum-exp of shape {tuple(lse.shape)}, expected "
-            f"[heads, tokens] = {(q.shape[1], q.shape[0])}; this PyTorch build lays it out differently"
+            f"[heads, tokens] = {(out.shape[1], out.shape[0])}; this PyTorch build lays it out differently"
         )
-    return lse
 
 
 def flash_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
@@ -49,7 +52,7 @@ def flash_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: b
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
-    return out, _check_lse(lse, q), (rng_state, unused)
+    return out, lse, (rng_state, unused)
 
 
 def flash_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
@@ -57,7 +60,7 @@ def flash_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q
     """``(dq, dk, dv)`` of one part, given the merged ``out`` and ``lse`` (model dtype)."""
     rng_state, unused = state
     return torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
     )
 
 

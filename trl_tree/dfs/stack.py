@@ -27,6 +27,8 @@ from .._device import upload
 from ..attention.backends import masked_attention, to_varlen
 from ..attention.metadata import tree_visibility
 from ..attention.partial import PARTIAL_KERNELS, merge_partials
+from ..forest import PrefixForest
+from .plan import Unit, unit_layout
 
 
 class KVStack:
@@ -37,9 +39,9 @@ class KVStack:
     deepest pushed path, not the largest group hanging below it.
     """
 
-    def __init__(self, num_layers: int, slots: int, grad_slots: int | None = None) -> None:
+    def __init__(self, num_layers: int, slots: int, grad_slots: int) -> None:
         self.slots = slots
-        self.grad_slots = slots if grad_slots is None else grad_slots
+        self.grad_slots = grad_slots
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.dk: list[torch.Tensor | None] = [None] * num_layers
@@ -89,24 +91,25 @@ class UnitAttentionMetadata:
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def build_all(cls, layouts: list[dict], depths: list[int], pushed: list[bool], stack: KVStack, max_depth: int,
-                  backend: str, device: torch.device) -> list[UnitAttentionMetadata]:
+    def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
+                  device: torch.device) -> list[UnitAttentionMetadata]:
         """Every unit's metadata from two uploads (int64 and int32) made before any compute."""
+        layouts = [unit_layout(forest, u) for u in units]
         long_arrays, int_arrays = [], []
-        for layout, depth in zip(layouts, depths):
-            n = int(layout["tokens"].shape[0])
+        for layout, unit in zip(layouts, units):
             long_arrays += [layout["tokens"], layout["position_ids"], layout["subtree_end"], layout["kv_local"]]
-            int_arrays += [layout["cu_seqlens_q"], layout["cu_seqlens_k"], np.array([0, n]), np.array([0, depth])]
+            int_arrays += [layout["cu_seqlens_q"], layout["cu_seqlens_k"], np.array([0, unit.num_tokens]),
+                           np.array([0, unit.depth])]
         longs = upload(long_arrays, torch.int64, device)
         ints = upload(int_arrays, torch.int32, device)
         metas = []
-        for i, (layout, depth) in enumerate(zip(layouts, depths)):
+        for i, (layout, unit) in enumerate(zip(layouts, units)):
             tokens, positions, subtree_end, kv_local = longs[4 * i : 4 * i + 4]
             cu_q, cu_k, prefix_cu_q, prefix_cu_k = ints[4 * i : 4 * i + 4]
-            n = int(layout["tokens"].shape[0])
+            n = unit.num_tokens
             metas.append(cls(
-                backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth, pushed=pushed[i],
-                input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                backend=backend, stack=stack, depth=unit.depth, num_tokens=n, max_depth=forest.max_depth,
+                pushed=unit.pushed, input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
                 kv_local=None if kv_local.shape[0] == n else kv_local,  # n rows: each node sees only itself
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=int(layout["max_seqlen_q"]), max_seqlen_k=int(layout["max_seqlen_k"]),
@@ -177,7 +180,6 @@ class _UnitAttention(torch.autograd.Function):
             q, out, lse = ctx.saved_tensors
             _, backward = PARTIAL_KERNELS[meta.backend]
             own_state, prefix_state = ctx.states
-            grad_out = grad_out.contiguous()
             k_own, v_own = kb[d : d + n], vb[d : d + n]
             dq, dk_rows, dv_rows = backward(grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
                                             own_state, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,

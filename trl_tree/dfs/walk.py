@@ -34,7 +34,7 @@ from ..engine import check_loss_terms, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions
 from ..model_parts import ModelParts
-from .plan import WalkPlan, plan_walk, unit_layout
+from .plan import WalkPlan, plan_walk
 from .stack import KVStack, UnitAttentionMetadata
 
 DFS_BACKENDS = ("torch_flash", "sdpa", "eager")
@@ -77,9 +77,7 @@ class DepthFirstWalk:
         units = self.plan.units
         grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)
         self.stack = KVStack(parts.num_layers, self.plan.stack_size, grad_slots)
-        self.metas = UnitAttentionMetadata.build_all(
-            [unit_layout(self.plan.forest, u) for u in units], [u.depth for u in units], [u.pushed for u in units],
-            self.stack, self.plan.forest.max_depth, backend, self.device)
+        self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device)
         self._upload_scoring()
         install(parts.causal_lm.config._attn_implementation)
 
@@ -95,7 +93,8 @@ class DepthFirstWalk:
                        plan.forest.tokens[scoring.pred_dst[rows]]]
         for terms in plan.terms_of_unit:
             arrays += [row_pos[scoring.gather[terms]], scoring.seq_idx[terms], scoring.pos[terms]]
-        tensors = upload(arrays, torch.int64, self.device)
+        arrays.append(plan.forest.tokens[scoring.pred_dst])  # every row's target in row order (deferred head)
+        *tensors, self.all_targets = upload(arrays, torch.int64, self.device)
         n = len(plan.units)
         self.rows = tensors[0 : 3 * n : 3]
         self.src = tensors[1 : 3 * n : 3]
@@ -103,8 +102,6 @@ class DepthFirstWalk:
         self.term_row = tensors[3 * n :: 3]
         self.term_seq = tensors[3 * n + 1 :: 3]
         self.term_pos = tensors[3 * n + 2 :: 3]
-        # every row's target in row order, for the deferred head call
-        (self.all_targets,) = upload([plan.forest.tokens[scoring.pred_dst]], torch.int64, self.device)
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
@@ -112,19 +109,17 @@ class DepthFirstWalk:
         meta.calls = 0
         return tree_forward(self.parts, meta.input_ids, meta)
 
-    def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool):
-        return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy)
+    def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool, head_grad: bool = True):
+        return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy,
+                                 head_grad)
 
     def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable, head: _DeferredHead | None = None
                    ) -> torch.Tensor:
         """The unit's loss terms, plus a zero anchor on the hidden states so the backward reaches
         every layer's attention (where descendants' K/V gradients enter) even with no terms.
         With ``head``, the LM head is a constant here and ``head`` records what its gradient needs."""
-        if head is None:
-            logp, _ = self._score(u, hidden, False)
-        else:
-            logp, _ = score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, False,
-                                        head_grad=False)
+        logp, _ = self._score(u, hidden, False, head_grad=head is None)
+        if head is not None:
             logp = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp)
         # zero-valued, but connects every layer and the LM head like the untreed graph does
         anchor = hidden.sum() * 0 + logp.sum() * 0
@@ -203,14 +198,11 @@ class _DeferredHead:
         return _TapGrad.apply(logp, self.grad, rows)
 
     def backward(self, parts: ModelParts, targets: torch.Tensor, temperature: float) -> None:
-        """One head call over every row (hidden states constant): gradients of weight and bias only."""
-        hidden = self.hidden
-        if hidden is None:  # no unit ran (cannot happen for a non-empty forest); keep the shapes valid
-            hidden = torch.zeros(self.num_rows, parts.lm_head.weight.shape[1], device=self.grad.device,
-                                 dtype=parts.lm_head.weight.dtype)
+        """One head call over every row (hidden states constant): gradients of weight and bias only.
+        Every unit records (each runs its loss), so ``hidden`` exists by now."""
         with torch.enable_grad():
-            index = torch.arange(self.num_rows, device=hidden.device)
-            logp, _ = score_predictions(hidden, parts, index, targets, temperature, False)
+            index = torch.arange(self.num_rows, device=self.grad.device)
+            logp, _ = score_predictions(self.hidden, parts, index, targets, temperature, False)
             torch.autograd.backward(logp, self.grad.to(logp.dtype))
 
 
