@@ -1,19 +1,25 @@
-"""``mode="auto"``: pick packed or dfs, and the dfs chunk size, from a memory budget.
+"""Activation-memory model of the engine's calls: ``mode="auto"`` and the depth-first walk's groups.
 
-Analytic, from the model's config (documented in docs/architecture.md, "Choosing the mode"):
+Analytic, from the model's config (documented in docs/architecture.md, "Choosing the mode" and
+"How large a dfs group is"), checked against the H200 measurements (docs/benchmarks):
 
-- activation bytes per token and layer of a decoder layer kept for backward, bf16:
-  ``(8·hidden + 4·intermediate + 4·kv_heads·head_dim) · 2`` (norm inputs, q/k/v, attention output,
-  MLP gate/up/act/down inputs); under gradient checkpointing only the layer input (``2·hidden``
-  bytes) is kept per layer, plus one layer's full activations while it is recomputed;
-- packed keeps that for the U unique tokens at once;
-- dfs keeps it for one unit (≤ ``chunk_size`` tokens) plus the K/V stack of the path: per slot and
-  layer ``kv_heads·head_dim`` values in K and V (model dtype) and their fp32 gradients.
+- per token and layer, a decoder layer keeps ``(8·hidden + 4·intermediate + 4·kv_heads·head_dim)``
+  values for its backward (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs);
+  under gradient checkpointing only the layer input (``hidden`` values) is kept per layer, plus one
+  layer's full activations while it is recomputed;
+- the LM head (TRL's chunked log-prob kernel) holds one ``[min(rows, 4096), 32768]`` logit tile, the
+  gathered hidden rows and their fp32 gradient; where it differentiates the weight, a full-size
+  fp32 weight-gradient buffer and its cast — a fixed cost that at 0.5B outweighs the activations
+  of a 2,560-token sequence;
+- the depth-first walk's stack holds, per slot, every layer's K and V (model dtype); pushed slots
+  also their fp32 gradients and, with ``keep_graph``, the kept layer inputs.
 
-Time: measured on an H200 (docs/benchmarks), packed was faster than dfs on every forest but one
-(the 7B agentic tree, where dfs led by 4%) — dfs adds one launch-bound forward+backward per unit
-— so the choice is memory-driven: packed whenever it fits, else dfs with the largest chunk that
-fits (fewest calls).
+Two uses. ``choose_mode`` (``mode="auto"``): packed whenever its activations fit the memory budget,
+else dfs with the largest chunk that fits — measured on an H200, packed was faster than dfs on
+every forest but the 7B agentic tree, so time does not enter. ``GroupBudget``: how many tokens
+of small sibling subtrees the walk may run in one call at a given stack depth, so that a unit
+stays within the memory of one forward+backward of the longest single sequence (or within a
+given budget). Fewer, larger calls are what makes the launch-bound walk fast on small models.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from .forest import PrefixForest
 
 #: chunk sizes tried for dfs, largest first
 CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
+#: TRL's chunked log-prob kernel: rows per projection tile (``TOKEN_CHUNK_SIZE``) and our vocabulary tile
+HEAD_ROW_TILE = 4096
+HEAD_VOCAB_TILE = 32768
 
 
 @dataclass(frozen=True)
@@ -35,26 +44,68 @@ class ModeChoice:
     estimated_bytes: int
 
 
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes one call of the engine holds for the backward, by kind (see the module docstring)."""
+
+    kept_per_token: int  # through the whole layer stack, alive until the backward
+    transient_per_token: int  # one layer's recompute under checkpointing (0 without)
+    kv_per_token: int  # K and V of every layer in the walk's stack
+    kv_grad_per_token: int  # their fp32 gradient slots (pushed nodes only)
+    hidden_size: int
+    vocab_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> "ActivationModel":
+        h = config.hidden_size
+        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        kv = config.num_key_value_heads * head_dim
+        layers = config.num_hidden_layers
+        layer_full = (8 * h + 4 * config.intermediate_size + 4 * kv) * dtype_bytes
+        if gradient_checkpointing:
+            kept, transient = layers * h * dtype_bytes, layer_full
+        else:
+            kept, transient = layers * layer_full, 0
+        return cls(kept, transient, layers * 2 * kv * dtype_bytes, layers * 2 * kv * 4, h, config.vocab_size,
+                   dtype_bytes)
+
+    def head(self, rows: int, weight_grad: bool) -> int:
+        """One LM-head call over ``rows`` predictions, forward and backward."""
+        tile = min(rows, HEAD_ROW_TILE) * min(self.vocab_size, HEAD_VOCAB_TILE) * self.dtype_bytes
+        per_row = self.hidden_size * (2 * self.dtype_bytes + 4)  # gathered rows, fp32 gradient, its cast
+        weight = self.vocab_size * self.hidden_size * (4 + self.dtype_bytes) if weight_grad else 0
+        return tile + rows * per_row + weight
+
+    def call(self, tokens: int, head_rows: int, weight_grad: bool) -> int:
+        """One forward+backward over ``tokens`` scoring ``head_rows`` predictions: the kept
+        activations, then the larger of a layer's recompute and the head (they never overlap)."""
+        return tokens * self.kept_per_token + max(tokens * self.transient_per_token, self.head(head_rows, weight_grad))
+
+    def single_sequence(self, length: int) -> int:
+        """The untreed reference: one sequence's forward+backward, its head differentiating the weight."""
+        return self.call(length, length, True)
+
+    def stack(self, slots: int, pushed_slots: int, keep_graph: bool) -> int:
+        kept = self.kept_per_token if keep_graph else 0
+        return slots * self.kv_per_token + pushed_slots * (self.kv_grad_per_token + kept)
+
+    def unit(self, tokens: int, depth: int, keep_graph: bool) -> int:
+        """A dfs group of ``tokens`` below a pushed prefix of ``depth`` tokens (the head's weight
+        gradient is deferred to after the walk, so units never hold it)."""
+        return self.call(tokens, tokens, False) + self.stack(depth + tokens, depth, keep_graph)
+
+
 def _per_token_bytes(config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> tuple[int, int]:
     """(bytes kept per token for the whole layer stack, bytes of one layer's full activations per token)."""
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    kv = config.num_key_value_heads
-    layer_full = (8 * h + 4 * config.intermediate_size + 4 * kv * head_dim) * dtype_bytes
-    layers = config.num_hidden_layers
-    if gradient_checkpointing:
-        return layers * h * dtype_bytes, layer_full
-    return layers * layer_full, 0
+    m = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
+    return m.kept_per_token, m.transient_per_token
 
 
 def estimate_bytes(config, tokens: int, gradient_checkpointing: bool, stack_slots: int = 0) -> int:
-    """Activation bytes of one call over ``tokens`` (plus a K/V stack of ``stack_slots``)."""
-    kept, transient = _per_token_bytes(config, gradient_checkpointing)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    stack = stack_slots * config.num_hidden_layers * config.num_key_value_heads * head_dim * (2 + 2 + 4 + 4)
-    return tokens * (kept + transient) + stack
+    """Activation bytes of one call over ``tokens`` (plus a K/V stack of ``stack_slots`` with gradients)."""
+    m = ActivationModel.of(config, gradient_checkpointing)
+    return tokens * (m.kept_per_token + m.transient_per_token) + m.stack(stack_slots, stack_slots, False)
 
 
 def choose_mode(forest: PrefixForest, config, memory_budget: int, gradient_checkpointing: bool) -> ModeChoice:
@@ -70,6 +121,35 @@ def choose_mode(forest: PrefixForest, config, memory_budget: int, gradient_check
         if need <= memory_budget:
             return best
     return best  # the smallest chunk: the closest to the budget dfs can get
+
+
+class GroupBudget:
+    """Tokens of complete sibling subtrees one dfs call may take at a given stack depth.
+
+    The largest ``n`` whose unit estimate (``ActivationModel.unit``) fits ``reference`` bytes —
+    by default one forward+backward of the longest sequence (DESIGN's memory bound for the walk),
+    or a caller's memory budget. Never below ``floor`` (the longest node, which the walk runs in one
+    call anyway unless a ``chunk_size`` cuts it): the grouping only ever merges calls.
+    """
+
+    def __init__(self, model: ActivationModel, reference: int, keep_graph: bool, floor: int) -> None:
+        self.model, self.reference, self.keep_graph, self.floor = model, reference, keep_graph, floor
+
+    @classmethod
+    def for_forest(cls, forest: PrefixForest, config, gradient_checkpointing: bool, keep_graph: bool,
+                   dtype_bytes: int = 2, memory_budget: int | None = None) -> "GroupBudget":
+        model = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
+        reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth)
+        return cls(model, reference, keep_graph, int(forest.node_length.max()))
+
+    def __call__(self, depth: int) -> int:
+        lo, hi = 0, 1
+        while self.model.unit(hi, depth, self.keep_graph) <= self.reference and hi < 1 << 40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # unit() grows with the tokens: largest fitting n in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.model.unit(mid, depth, self.keep_graph) <= self.reference else (lo, mid)
+        return max(lo, self.floor)
 
 
 def default_memory_budget(device: torch.device) -> int | None:

@@ -175,17 +175,31 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
     budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
         return "packed", chunk_size
-    checkpointing = bool(getattr(parts.causal_lm, "is_gradient_checkpointing", False))
-    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing)
+    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, _checkpointing(parts))
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
-              chunk_size: int | None):
+              chunk_size: int | None, keep_graph: bool, memory_budget: int | None):
+    """The walk; without ``chunk_size`` its groups are sized by the memory model (``GroupBudget``):
+    one forward+backward of the longest sequence, or ``memory_budget`` when given."""
+    from .cost_model import GroupBudget
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
     backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype)
-    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size)
+    group_tokens = None
+    if chunk_size is None:
+        group_tokens = GroupBudget.for_forest(
+            forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
+            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget)
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens)
+
+
+def _checkpointing(parts: ModelParts) -> bool:
+    model = parts.causal_lm
+    # transformers 5.x renames the flag (the old name warns); older versions only have the old one
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, flag, False))
 
 
 def tree_logprobs(
@@ -208,8 +222,9 @@ def tree_logprobs(
     the entropy of each scored position's distribution.
 
     ``mode="packed"``: one forward over the unique tokens; differentiable. ``mode="dfs"``: a
-    depth-first walk with a K/V stack (memory bounded by the longest path and ``chunk_size``);
-    forward only, the result carries no graph. ``mode="auto"``: packed if its activations fit
+    depth-first walk with a K/V stack (memory bounded by the longest path and ``chunk_size``;
+    without a chunk size, sibling subtrees are grouped up to the longest sequence's footprint, or
+    up to ``memory_budget`` bytes when given); forward only, the result carries no graph. ``mode="auto"``: packed if its activations fit
     ``memory_budget`` bytes (default: 80% of the free GPU memory; unlimited on CPU), else dfs with
     the largest chunk that fits (``trl_tree.cost_model``).
     """
@@ -220,9 +235,8 @@ def tree_logprobs(
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
-        logp_rows, ent_rows = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).logprobs(
-            return_entropy
-        )
+        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget)
+        logp_rows, ent_rows = walk.logprobs(return_entropy)
         gather = torch.from_numpy(plan.gather).to(logp_rows.device)
         logp = logp_rows.index_select(0, gather)
         ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
@@ -256,7 +270,9 @@ def tree_backward(
     tree. Returns the loss value.
 
     ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
-    are cut, small sibling subtrees grouped up to it); ``keep_graph=True`` keeps each pushed
+    are cut, small sibling subtrees grouped up to it); without it, sibling subtrees are grouped as
+    far as the memory model (``cost_model.GroupBudget``) keeps a call within one forward+backward of
+    the longest sequence — or within ``memory_budget`` bytes when given; ``keep_graph=True`` keeps each pushed
     node's graph until its backward instead of recomputing it (one forward less per inner node,
     memory of the whole path); ``None`` (default) keeps it when the model uses gradient
     checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
@@ -272,10 +288,11 @@ def tree_backward(
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         if keep_graph is None:
-            keep_graph = bool(getattr(parts.causal_lm, "is_gradient_checkpointing", False))
+            keep_graph = _checkpointing(parts)
         elif not isinstance(keep_graph, bool):
             raise TypeError(f"keep_graph must be True, False or None, got {keep_graph!r}")
-        return _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size).backward(token_loss, keep_graph)
+        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget)
+        return walk.backward(token_loss, keep_graph)
     with torch.enable_grad():
         logp, _ = _score(parts, forest, plan, attn_backend, temperature, False)
         device = logp.device

@@ -5,7 +5,10 @@
 Workloads: the GRPO group of ``bench.packed`` (G=16, prompt 2048, completion 512) and a deep
 agentic tree (4.8k-token system prompt and a shared first turn, then turns branching at tool
 calls, 16 trajectories of 8.65k tokens, T/U ≈ 9.4). ``longest_single`` is TRL's path on the
-longest sequence alone: the memory the DFS target is measured against (≤ 1.2×).
+longest sequence alone: the memory the DFS target is measured against (≤ 1.2×). ``dfs`` groups
+sibling subtrees as the memory model allows (``cost_model.GroupBudget``); ``dfs nodes`` caps
+groups at the longest node (``memory_budget=0``: the walk's smallest calls without chunking).
+Each dfs row also records its number of model calls and the model's estimate of its largest unit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, tree_backward
+from ..cost_model import GroupBudget
+from ..dfs.plan import plan_walk
 from ..tiny import grpo_group
 from .common import bench_model, dump, environment, padded_step, time_cuda
 
@@ -28,6 +33,19 @@ def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(
     for length in turns:
         paths = [p + rng.integers(0, vocab, length).tolist() for p in paths for _ in range(2)]
     return paths
+
+
+def walk_shape(forest: PrefixForest, score_from: int, config, path: str) -> dict:
+    """Model calls of a benchmarked walk and the memory model's estimate of its largest group,
+    planned as ``tree_backward`` plans it (bf16, gradient checkpointing)."""
+    keep_graph = path != "dfs recompute"
+    chunk = 1024 if path == "dfs chunk 1024" else None
+    budget = GroupBudget.for_forest(forest, config, True, keep_graph,
+                                    memory_budget=0 if path == "dfs nodes" else None)
+    plan = plan_walk(forest, forest.scoring_plan(score_from), chunk, None if chunk else budget)
+    largest = max(budget.model.unit(u.num_tokens, u.depth, keep_graph) for u in plan.units if not u.pushed)
+    return {"calls": plan.num_calls, "estimated_largest_group_gib": round(largest / 2**30, 3),
+            "estimated_longest_single_gib": round(budget.model.single_sequence(forest.max_depth) / 2**30, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "longest_single": padded([seqs[longest]], adv[longest : longest + 1]),
             "packed": tree("packed"),
             "dfs": tree("dfs"),  # keeps pushed nodes' graphs: the model uses gradient checkpointing
+            "dfs nodes": tree("dfs", memory_budget=0),
             "dfs recompute": tree("dfs", keep_graph=False),
             "dfs chunk 1024": tree("dfs", chunk_size=1024),
         }
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 if "activation_peak_gib" in single:
                     r["activation_peak_over_longest_single"] = round(
                         r["activation_peak_gib"] / single["activation_peak_gib"], 3)
+        for r in rows:
+            if r["path"].startswith("dfs") and "ms" in r:
+                r.update(walk_shape(forest, score_from, config, r["path"]))
         results.append({"workload": name, "T": T, "U": U, "T_over_U": round(T / U, 3), "max_depth": forest.max_depth,
                         "num_sequences": len(seqs), "rows": rows})
         print(f"\n{name}: T={T} U={U} T/U={T / U:.2f} longest={forest.max_depth}")

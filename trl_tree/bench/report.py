@@ -40,18 +40,18 @@ def dfs_table(payload: dict) -> str:
             f"**{w['workload']}**: {w['num_sequences']} sequences, T={w['T']}, U={w['U']}, T/U={w['T_over_U']:.2f}, "
             f"longest {w['max_depth']} tokens",
             "",
-            "| path | ms | speed-up vs TRL padded | peak GiB | activation peak GiB | act. peak ÷ longest single |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            "| path | calls | ms | speed-up vs TRL padded | peak GiB | activation peak GiB | act. peak ÷ longest single |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in w["rows"]:
             if "ms" not in r:
-                out.append(f"| {r['path']} | {r.get('error')} | | | | |")
+                out.append(f"| {r['path']} | | {r.get('error')} | | | | |")
                 continue
             speed = f"{r['speedup']:.2f}" if r.get("speedup") else "—"
             act = f"{r['activation_peak_gib']:.2f}" if "activation_peak_gib" in r else "—"
             ratio = r.get("activation_peak_over_longest_single")
             ratio = f"{ratio:.2f}" if ratio else ("1.00" if r["path"] == "longest_single" else "—")
-            out.append(f"| {r['path']} | {r['ms']:.1f} | {speed} | {r['peak_gib']:.2f} | {act} | {ratio} |")
+            out.append(f"| {r['path']} | {r.get('calls', '—')} | {r['ms']:.1f} | {speed} | {r['peak_gib']:.2f} | {act} | {ratio} |")
         out.append("")
     return "\n".join(out)
 

@@ -85,6 +85,10 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     pf, tp = by["padding_free"].get("ms"), by["tree_packed"].get("ms")
     single = by.get("longest_single", {})
     dfs = by.get("tree_dfs", {})
+    if "ms" in dfs:
+        from .dfs import walk_shape
+
+        dfs.update(walk_shape(forest, P, model.config, "dfs"))
     for key in ("peak_gib", "activation_peak_gib"):
         if single.get(key) and key in dfs:
             dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
@@ -115,6 +119,8 @@ def markdown(payload: dict) -> str:
             key = "activation_peak_gib" if "activation_peak_gib" in tp else "peak_gib"  # older payloads
             peak = f"{by['trl_padded'].get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
+            if "calls" in dfs:
+                dfs_cell += f", {dfs['calls']} calls"
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "

@@ -67,12 +67,13 @@ class DepthFirstWalk:
     """
 
     def __init__(self, parts: ModelParts, forest: PrefixForest, scoring: ScoringPlan, backend: str,
-                 temperature: float, chunk_size: int | None) -> None:
+                 temperature: float, chunk_size: int | None, group_tokens: Callable[[int], int] | None = None
+                 ) -> None:
         self.parts = parts
         self.scoring = scoring
         self.backend = backend
         self.temperature = temperature
-        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size)
+        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens)
         self.device = parts.device
         units = self.plan.units
         grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)

@@ -43,7 +43,8 @@ class TreeArguments:
     tree_chunk_size: int | None = field(
         default=None,
         metadata={"help": "dfs mode: most tokens one step of the walk runs (long nodes are cut into chunks, small "
-                  "sibling subtrees grouped up to it). None: whole nodes."},
+                  "sibling subtrees grouped up to it). None: whole nodes, and sibling subtrees grouped as far as a call "
+                  "stays within one forward+backward of the longest sequence (trl_tree.cost_model.GroupBudget)."},
     )
     tree_keep_graph: bool | None = field(
         default=None,

@@ -1,0 +1,115 @@
+"""The depth-first walk's group sizing: the activation model, the balanced grouping and that
+walks planned with them stay exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_grads_close, grads_of, weighted_loss
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_dfs import check_dfs, deep_tree
+
+from trl_tree import PrefixForest, tree_backward
+from trl_tree.bench.workloads import suite_workloads
+from trl_tree.cost_model import ActivationModel, GroupBudget
+from trl_tree.dfs.plan import _balanced_groups, _greedy_groups, plan_walk
+from trl_tree.reference import untreed_backward
+from trl_tree.tiny import shaped_config, tiny_model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=30), st.integers(50, 200))
+def test_balanced_groups_are_as_few_as_greedy_and_no_larger(sizes, budget):
+    sizes = np.asarray(sizes, dtype=np.int64)
+    run = list(range(len(sizes)))
+    greedy = _greedy_groups(run, sizes, budget) if run else []
+    groups = _balanced_groups(run, sizes, budget)
+    assert [c for g in groups for c in g] == run  # consecutive, in order, nothing lost
+    assert len(groups) == len(greedy)
+    load = [int(sizes[g].sum()) for g in groups]
+    assert all(x <= budget for x in load)
+    if groups:
+        assert max(load) <= max(int(sizes[g].sum()) for g in greedy)
+        assert max(load) >= -(-int(sizes.sum()) // len(groups))  # nobody can beat the average
+
+
+def test_balanced_groups_split_evenly():
+    sizes = np.full(16, 512)
+    assert [len(g) for g in _balanced_groups(list(range(16)), sizes, 7000)] == [8, 8]
+    assert [len(g) for g in _balanced_groups(list(range(16)), sizes, 8192)] == [16]
+
+
+def test_group_budget_fits_the_reference_and_shrinks_with_depth():
+    config = shaped_config("1.5b")
+    model = ActivationModel.of(config, gradient_checkpointing=True)
+    budget = GroupBudget(model, reference=model.single_sequence(2560), keep_graph=True, floor=0)
+    depths = [0, 512, 2048, 8192]
+    tokens = [budget(d) for d in depths]
+    assert tokens == sorted(tokens, reverse=True) and tokens[0] > 2560  # no weight gradient: room to spare
+    for d, n in zip(depths, tokens):
+        assert model.unit(n, d, True) <= budget.reference < model.unit(n + 1, d, True)
+    # the floor (the longest node) wins when the model would allow less
+    assert GroupBudget(model, reference=0, keep_graph=True, floor=300)(0) == 300
+    # a caller's memory budget replaces the reference
+    forest = PrefixForest.from_sequences(suite_workloads(config.vocab_size)[0].sequences)
+    small = GroupBudget.for_forest(forest, config, True, True, memory_budget=model.unit(1000, 2048, True))
+    assert small(2048) == 2048  # 1000 fits, but never below the longest node (the 2048-token prompt)
+
+
+def test_activation_model_matches_the_h200_measurements():
+    """Estimates against the activation peaks the suite measured (docs/benchmarks/suite_h200.json,
+    longest single sequence of W1, 2,560 tokens: 0.913 / 1.571 / 3.626 GiB): within 20%."""
+    for size, measured_gib in (("0.5b", 0.913), ("1.5b", 1.571), ("7b", 3.626)):
+        estimate = ActivationModel.of(shaped_config(size), True).single_sequence(2560) / 2**30
+        assert estimate == pytest.approx(measured_gib, rel=0.2), size
+
+
+@pytest.mark.parametrize("size, calls", [("0.5b", 2), ("1.5b", 3), ("7b", 3)])
+def test_grpo_group_of_16_runs_in_fewer_calls(size, calls):
+    """W1 (G=16, prompt 2048, completion 512): the prompt is pushed, the 16 completions run in as
+    few groups as the longest sequence's footprint allows — one at 0.5B, where TRL's head weight
+    gradient dominates that footprint; two of 8 at 1.5B and 7B (was 4 groups of 4)."""
+    config = shaped_config(size)
+    w1 = suite_workloads(config.vocab_size)[0]
+    forest = PrefixForest.from_sequences(w1.sequences)
+    scoring = forest.scoring_plan(w1.score_from)
+    plan = plan_walk(forest, scoring, None, GroupBudget.for_forest(forest, config, True, True))
+    assert plan.num_calls == calls
+    assert plan_walk(forest, scoring, None).num_calls == 5
+    groups = [u.num_tokens for u in plan.units if not u.pushed]
+    assert len(set(groups)) == 1  # balanced
+
+
+def test_planned_units_fit_the_model():
+    model = tiny_model("qwen2")
+    seqs = deep_tree()
+    forest = PrefixForest.from_sequences(seqs)
+    budget = GroupBudget.for_forest(forest, model.config, False, False, dtype_bytes=4)
+    plan = plan_walk(forest, forest.scoring_plan(), None, budget)
+    for unit in plan.units:
+        if not unit.pushed:
+            fits = budget.model.unit(unit.num_tokens, unit.depth, False) <= budget.reference
+            assert fits or unit.num_tokens <= budget.floor
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0, 10.0])
+def test_memory_budget_sizes_groups_and_stays_exact(qwen2, fraction):
+    seqs = deep_tree(levels=6, seed=2)
+    forest = PrefixForest.from_sequences(seqs)
+    reference = ActivationModel.of(qwen2.config, False, 4).single_sequence(forest.max_depth)
+    budget = int(reference * fraction)
+    qwen2.zero_grad(set_to_none=True)
+    tree_backward(qwen2, seqs, weighted_loss, mode="dfs", memory_budget=budget)
+    g = grads_of(qwen2)
+    qwen2.zero_grad(set_to_none=True)
+    untreed_backward(qwen2, seqs, weighted_loss)
+    assert_grads_close(g, grads_of(qwen2))
+    qwen2.zero_grad(set_to_none=True)
+
+
+def test_default_grouping_under_checkpointing_is_exact():
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_dfs(model, deep_tree(levels=6, seed=3), keep_graph=None)
