@@ -4,9 +4,10 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
 "How large a dfs group is"), checked against the H200 measurements (docs/benchmarks):
 
 - per token and layer, a decoder layer keeps ``(8·hidden + 4·intermediate + 4·kv_heads·head_dim)``
-  values for its backward (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs);
-  under gradient checkpointing only the layer input (``hidden`` values) is kept per layer, plus one
-  layer's full activations while it is recomputed;
+  values for its backward (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs),
+  and its backward briefly adds ``3·intermediate`` gradient temporaries (down-projection input,
+  gate and up); under gradient checkpointing only the layer input (``hidden`` values) is kept per
+  layer, plus one layer's full activations and temporaries while it is recomputed;
 - the LM head (TRL's chunked log-prob kernel) holds one ``[min(rows, 4096), 32768]`` logit tile, the
   gathered hidden rows and their fp32 gradient; where it differentiates the weight, a full-size
   fp32 weight-gradient buffer and its cast — a fixed cost that at 0.5B outweighs the activations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forest import PrefixForest
+from .forest import PrefixForest, ScoringPlan
 
 #: chunk sizes tried for dfs, largest first
 CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
@@ -62,11 +63,12 @@ class ActivationModel:
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
         kv = config.num_key_value_heads * head_dim
         layers = config.num_hidden_layers
-        layer_full = (8 * h + 4 * config.intermediate_size + 4 * kv) * dtype_bytes
+        layer_saved = (8 * h + 4 * config.intermediate_size + 4 * kv) * dtype_bytes
+        backward_temporaries = 3 * config.intermediate_size * dtype_bytes
         if gradient_checkpointing:
-            kept, transient = layers * h * dtype_bytes, layer_full
+            kept, transient = layers * h * dtype_bytes, layer_saved + backward_temporaries
         else:
-            kept, transient = layers * layer_full, 0
+            kept, transient = layers * layer_saved, backward_temporaries
         return cls(kept, transient, layers * 2 * kv * dtype_bytes, layers * 2 * kv * 4, h, config.vocab_size,
                    dtype_bytes)
 
@@ -82,9 +84,10 @@ class ActivationModel:
         activations, then the larger of a layer's recompute and the head (they never overlap)."""
         return tokens * self.kept_per_token + max(tokens * self.transient_per_token, self.head(head_rows, weight_grad))
 
-    def single_sequence(self, length: int) -> int:
-        """The untreed reference: one sequence's forward+backward, its head differentiating the weight."""
-        return self.call(length, length, True)
+    def single_sequence(self, length: int, scored: int | None = None) -> int:
+        """The untreed reference: one sequence's forward+backward, its head differentiating the
+        weight over its ``scored`` predictions (TRL's head scores the completion only)."""
+        return self.call(length, length if scored is None else scored, True)
 
     def stack(self, slots: int, pushed_slots: int, keep_graph: bool) -> int:
         kept = self.kept_per_token if keep_graph else 0
@@ -137,9 +140,13 @@ class GroupBudget:
 
     @classmethod
     def for_forest(cls, forest: PrefixForest, config, gradient_checkpointing: bool, keep_graph: bool,
-                   dtype_bytes: int = 2, memory_budget: int | None = None) -> "GroupBudget":
+                   dtype_bytes: int = 2, memory_budget: int | None = None, scoring: ScoringPlan | None = None
+                   ) -> "GroupBudget":
+        """``scoring``: the walk's scoring plan, for the longest sequence's number of scored tokens."""
         model = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
-        reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth)
+        longest = int(forest.seq_lengths.argmax())
+        scored = int((scoring.seq_idx == longest).sum()) if scoring is not None else None
+        reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth, scored)
         return cls(model, reference, keep_graph, int(forest.node_length.max()))
 
     def __call__(self, depth: int) -> int:

@@ -191,7 +191,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(
             forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
-            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget)
+            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan)
     return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens)
 
 

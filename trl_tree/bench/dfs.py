@@ -40,12 +40,13 @@ def walk_shape(forest: PrefixForest, score_from: int, config, path: str) -> dict
     planned as ``tree_backward`` plans it (bf16, gradient checkpointing)."""
     keep_graph = path != "dfs recompute"
     chunk = 1024 if path == "dfs chunk 1024" else None
+    scoring = forest.scoring_plan(score_from)
     budget = GroupBudget.for_forest(forest, config, True, keep_graph,
-                                    memory_budget=0 if path == "dfs nodes" else None)
-    plan = plan_walk(forest, forest.scoring_plan(score_from), chunk, None if chunk else budget)
+                                    memory_budget=0 if path == "dfs nodes" else None, scoring=scoring)
+    plan = plan_walk(forest, scoring, chunk, None if chunk else budget)
     largest = max(budget.model.unit(u.num_tokens, u.depth, keep_graph) for u in plan.units if not u.pushed)
     return {"calls": plan.num_calls, "estimated_largest_group_gib": round(largest / 2**30, 3),
-            "estimated_longest_single_gib": round(budget.model.single_sequence(forest.max_depth) / 2**30, 3)}
+            "estimated_longest_single_gib": round(budget.reference / 2**30, 3) if path != "dfs nodes" else None}
 
 
 def main(argv: list[str] | None = None) -> int:
