@@ -1,0 +1,102 @@
+"""Host-side cost of one training step: is the GPU waiting for Python?
+
+    python -m trl_tree.bench.overhead [--size 0.5b] [--workloads W1,W3] [--out overhead.txt]
+
+For each path (TRL padded, packed tree, dfs walk) on the suite's workloads: the step's wall time,
+the GPU's busy time (sum of kernel times from the profiler) and the number of kernel launches,
+then a cProfile table of the host's Python time by function. On small models the tree paths are
+bound by launches and Python rather than by FLOPs; this says by how much, and where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import numpy as np
+import torch
+
+from .. import PrefixForest, tree_backward
+from .common import bench_model, padded_step
+from .workloads import suite_workloads
+
+
+def gpu_busy(step) -> tuple[float, int]:
+    """(ms of kernel time, kernels launched) in one step, from the profiler's device events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return busy, launches
+
+
+def wall(step, iters: int = 5) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times))
+
+
+def python_profile(step, rows: int = 25) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--workloads", default="W1,W3")
+    parser.add_argument("--out", default=None, help="also write the cProfile tables here")
+    args = parser.parse_args(argv)
+    model = bench_model(args.size)
+    report = []
+    for w in suite_workloads(model.config.vocab_size):
+        if w.name not in args.workloads.split(","):
+            continue
+        seqs, P = w.sequences, w.score_from
+        forest = PrefixForest.from_sequences(seqs)
+        adv = torch.ones(len(seqs), device="cuda")
+        n_terms = sum(len(s) - P for s in seqs)
+
+        def token_loss(lp, seq_idx, pos):
+            return -lp * adv[seq_idx] / n_terms
+
+        def tree(mode):
+            return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P)
+
+        paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "packed": tree("packed"), "dfs": tree("dfs")}
+        for name, step in paths.items():
+            step()  # warm-up (allocator, Triton autotuning)
+            ms = wall(step)
+            busy, launches = gpu_busy(step)
+            line = (f"{args.size} {w.name} {name}: wall {ms:.1f} ms, GPU busy {busy:.1f} ms ({busy / ms:.0%}), "
+                    f"{launches} kernels")
+            print(line, flush=True)
+            report.append(line)
+            if args.out and name != "trl_padded":
+                report.append(python_profile(step))
+            model.zero_grad(set_to_none=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
