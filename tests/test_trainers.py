@@ -108,6 +108,7 @@ def test_grpo_token_budget_and_dfs_chunks(checkpoint):
     trainer = compare("grpo", checkpoint, "packed", tree_fields={"tree_token_budget": 40})
     assert max(trainer.state.log_history[0]["tree/calls"], 0) > 1
     compare("grpo", checkpoint, "dfs", tree_fields={"tree_token_budget": 64, "tree_chunk_size": 3})
+    compare("grpo", checkpoint, "dfs", tree_fields={"tree_memory_budget": 0})  # smallest groups
 
 
 def test_grpo_without_checkpointing_and_with_entropy_bonus(checkpoint):
@@ -175,6 +176,8 @@ def test_refusals(checkpoint):
         TreeGRPOConfig(output_dir="/tmp/unused", tree_mode="tree")
     with pytest.raises(ValueError, match="tree_token_budget must be a positive int"):
         TreeGRPOConfig(output_dir="/tmp/unused", tree_token_budget=0)
+    with pytest.raises(ValueError, match="tree_memory_budget must be a non-negative int"):
+        TreeGRPOConfig(output_dir="/tmp/unused", tree_memory_budget=-1)
     with pytest.raises(ValueError, match="entropy bonus"):
         run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="dfs", entropy_coef=0.01, max_steps=0)
 

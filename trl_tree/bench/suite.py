@@ -120,7 +120,7 @@ def markdown(payload: dict) -> str:
             peak = f"{by['trl_padded'].get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
             if "calls" in dfs:
-                dfs_cell += f", {dfs['calls']} calls"
+                dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "

@@ -46,6 +46,12 @@ class TreeArguments:
                   "sibling subtrees grouped up to it). None: whole nodes, and sibling subtrees grouped as far as a call "
                   "stays within one forward+backward of the longest sequence (trl_tree.cost_model.GroupBudget)."},
     )
+    tree_memory_budget: int | None = field(
+        default=None,
+        metadata={"help": "dfs mode without tree_chunk_size: activation bytes one call of the walk may use when "
+                  "sibling subtrees are grouped. None: one forward+backward of the longest sequence (the DFS "
+                  "memory bound). Larger: fewer, faster calls (the walk is launch-bound on small models)."},
+    )
     tree_keep_graph: bool | None = field(
         default=None,
         metadata={"help": "dfs mode: keep each node's graph on the way down instead of recomputing it on the way "
@@ -62,6 +68,9 @@ class TreeArguments:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        budget = self.tree_memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"tree_memory_budget must be a non-negative int (bytes) or None, got {budget!r}")
         if self.tree_keep_graph not in (None, True, False):
             raise ValueError(f"tree_keep_graph must be True, False or None, got {self.tree_keep_graph!r}")
 
@@ -69,7 +78,7 @@ class TreeArguments:
 @dataclass
 class TreeGRPOConfig(GRPOConfig, TreeArguments):
     """``trl.GRPOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_keep_graph``)."""
+    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``)."""
 
     def __post_init__(self):
         self._check_tree_fields()
@@ -79,7 +88,7 @@ class TreeGRPOConfig(GRPOConfig, TreeArguments):
 @dataclass
 class TreeRLOOConfig(RLOOConfig, TreeArguments):
     """``trl.RLOOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_keep_graph``)."""
+    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``)."""
 
     def __post_init__(self):
         self._check_tree_fields()

@@ -157,6 +157,7 @@ class TreeTrainerMixin:
             attn_backend=self.args.tree_attn_backend,
             temperature=self.temperature,
             chunk_size=self.args.tree_chunk_size,
+            memory_budget=self.args.tree_memory_budget,
         )
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
