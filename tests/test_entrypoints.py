@@ -36,9 +36,33 @@ def test_example_runs(argv, monkeypatch, capsys):
     assert "max |Δ log-prob| vs untreed" in out
 
 
-@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer"])
+@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
+
+
+def test_committed_dfs_results_render_with_their_calls():
+    """The committed walk results re-render (``bench.report``), each dfs row with its model calls as
+    the current planner counts them for that forest and model shape."""
+    import json
+
+    from trl_tree import PrefixForest
+    from trl_tree.bench.dfs import agentic_tree, walk_shape
+    from trl_tree.bench.report import dfs_table
+    from trl_tree.tiny import grpo_group
+
+    with open("docs/benchmarks/dfs_0.5b_h200.json") as f:
+        payload = json.load(f)
+    table = dfs_table(payload)
+    assert "| dfs | 3 |" in table and "| dfs nodes | 5 |" in table
+    config = shaped_config("0.5b")
+    seqs = {"grpo_g16_p2048_c512": (grpo_group(2048, 512, 16, config.vocab_size, seed=0), 2048),
+            "agentic_16x8650": (agentic_tree(config.vocab_size), 4800)}
+    for w in payload["results"]:
+        forest = PrefixForest.from_sequences(seqs[w["workload"]][0])
+        for row in w["rows"]:
+            if row["path"].startswith("dfs"):
+                assert walk_shape(forest, seqs[w["workload"]][1], config, row["path"])["calls"] == row["calls"]
 
 
 def test_flop_limit_of_a_grpo_group_is_below_t_over_u():
