@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_grads_close, grads_of, weighted_loss
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_dfs import check_dfs, deep_tree
 
-from trl_tree import PrefixForest, tree_backward
+from trl_tree import PrefixForest, tree_backward, tree_logprobs
 from trl_tree.bench.workloads import suite_workloads
 from trl_tree.cost_model import ActivationModel, GroupBudget
 from trl_tree.dfs.plan import _balanced_groups, _greedy_groups, plan_walk
-from trl_tree.reference import untreed_backward
+from trl_tree.reference import untreed_backward, untreed_logprobs
 from trl_tree.tiny import shaped_config, tiny_model
 
 
@@ -117,3 +117,26 @@ def test_default_grouping_under_checkpointing_is_exact():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     check_dfs(model, deep_tree(levels=6, seed=3), keep_graph=None)
+
+
+def test_forward_only_walks_take_larger_groups():
+    """``tree_logprobs`` keeps no graph: under the same bound its groups are far larger (every
+    suite GRPO group and agentic tree fits one call) and each planned unit fits the reference."""
+    config = shaped_config("0.5b")
+    for w in suite_workloads(config.vocab_size):
+        forest = PrefixForest.from_sequences(w.sequences)
+        scoring = forest.scoring_plan(w.score_from)
+        fwd = GroupBudget.for_forest(forest, config, True, False, scoring=scoring, forward_only=True)
+        bwd = GroupBudget.for_forest(forest, config, True, False, scoring=scoring)
+        assert fwd(0) > bwd(0) and fwd(2048) > bwd(2048)
+        plan = plan_walk(forest, scoring, None, fwd)
+        assert plan.num_calls <= plan_walk(forest, scoring, None, bwd).num_calls
+        for u in plan.units:
+            assert fwd.unit_bytes(u.num_tokens, u.depth) <= fwd.reference or u.num_tokens <= fwd.floor
+
+
+def test_forward_only_grouping_is_exact(qwen2):
+    seqs = deep_tree(levels=6, seed=4)
+    ref = untreed_logprobs(qwen2, seqs)
+    for budget in (None, 0):
+        assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", memory_budget=budget), ref)

@@ -13,7 +13,10 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
   fp32 weight-gradient buffer and its cast — a fixed cost that at 0.5B outweighs the activations
   of a 2,560-token sequence;
 - the depth-first walk's stack holds, per slot, every layer's K and V (model dtype); pushed slots
-  also their fp32 gradients and, with ``keep_graph``, the kept layer inputs.
+  also their fp32 gradients and, with ``keep_graph``, the kept layer inputs;
+- a forward without graph (``tree_logprobs``) holds only one layer's live tensors at a time
+  (``3·intermediate + 3·hidden`` values per token: the MLP's activation, up projection and their
+  product, the residual stream), the head's tile and the stack.
 
 Two uses. ``choose_mode`` (``mode="auto"``): packed whenever its activations fit the memory budget,
 else dfs with the largest chunk that fits — measured on an H200, packed was faster than dfs on
@@ -53,6 +56,7 @@ class ActivationModel:
     transient_per_token: int  # one layer's recompute under checkpointing (0 without)
     kv_per_token: int  # K and V of every layer in the walk's stack
     kv_grad_per_token: int  # their fp32 gradient slots (pushed nodes only)
+    forward_per_token: int  # one layer's live tensors in a forward without graph (MLP act, up, product; residuals)
     hidden_size: int
     vocab_size: int
     dtype_bytes: int
@@ -69,8 +73,9 @@ class ActivationModel:
             kept, transient = layers * h * dtype_bytes, layer_saved + backward_temporaries
         else:
             kept, transient = layers * layer_saved, backward_temporaries
-        return cls(kept, transient, layers * 2 * kv * dtype_bytes, layers * 2 * kv * 4, h, config.vocab_size,
-                   dtype_bytes)
+        forward = (3 * config.intermediate_size + 3 * h) * dtype_bytes
+        return cls(kept, transient, layers * 2 * kv * dtype_bytes, layers * 2 * kv * 4, forward, h,
+                   config.vocab_size, dtype_bytes)
 
     def head(self, rows: int, weight_grad: bool) -> int:
         """One LM-head call over ``rows`` predictions, forward and backward."""
@@ -92,6 +97,11 @@ class ActivationModel:
     def stack(self, slots: int, pushed_slots: int, keep_graph: bool) -> int:
         kept = self.kept_per_token if keep_graph else 0
         return slots * self.kv_per_token + pushed_slots * (self.kv_grad_per_token + kept)
+
+    def forward_unit(self, tokens: int, depth: int) -> int:
+        """A forward-only group (``tree_logprobs``): nothing kept for a backward — the stack's K/V,
+        one layer's activations and the head's logit tile at a time."""
+        return tokens * self.forward_per_token + self.head(tokens, False) + (depth + tokens) * self.kv_per_token
 
     def unit(self, tokens: int, depth: int, keep_graph: bool) -> int:
         """A dfs group of ``tokens`` below a pushed prefix of ``depth`` tokens (the head's weight
@@ -135,27 +145,36 @@ class GroupBudget:
     call anyway unless a ``chunk_size`` cuts it): the grouping only ever merges calls.
     """
 
-    def __init__(self, model: ActivationModel, reference: int, keep_graph: bool, floor: int) -> None:
+    def __init__(self, model: ActivationModel, reference: int, keep_graph: bool, floor: int,
+                 forward_only: bool = False) -> None:
         self.model, self.reference, self.keep_graph, self.floor = model, reference, keep_graph, floor
+        self.forward_only = forward_only
 
     @classmethod
     def for_forest(cls, forest: PrefixForest, config, gradient_checkpointing: bool, keep_graph: bool,
-                   dtype_bytes: int = 2, memory_budget: int | None = None, scoring: ScoringPlan | None = None
-                   ) -> "GroupBudget":
-        """``scoring``: the walk's scoring plan, for the longest sequence's number of scored tokens."""
+                   dtype_bytes: int = 2, memory_budget: int | None = None, scoring: ScoringPlan | None = None,
+                   forward_only: bool = False) -> "GroupBudget":
+        """``scoring``: the walk's scoring plan, for the longest sequence's number of scored tokens;
+        ``forward_only``: a ``tree_logprobs`` walk (no graph), whose groups can be much larger under
+        the same bound."""
         model = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
         longest = int(forest.seq_lengths.argmax())
         scored = int((scoring.seq_idx == longest).sum()) if scoring is not None else None
         reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth, scored)
-        return cls(model, reference, keep_graph, int(forest.node_length.max()))
+        return cls(model, reference, keep_graph, int(forest.node_length.max()), forward_only)
+
+    def unit_bytes(self, tokens: int, depth: int) -> int:
+        if self.forward_only:
+            return self.model.forward_unit(tokens, depth)
+        return self.model.unit(tokens, depth, self.keep_graph)
 
     def __call__(self, depth: int) -> int:
         lo, hi = 0, 1
-        while self.model.unit(hi, depth, self.keep_graph) <= self.reference and hi < 1 << 40:
+        while self.unit_bytes(hi, depth) <= self.reference and hi < 1 << 40:
             lo, hi = hi, hi * 2
-        while hi - lo > 1:  # unit() grows with the tokens: largest fitting n in [lo, hi)
+        while hi - lo > 1:  # the estimate grows with the tokens: largest fitting n in [lo, hi)
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.model.unit(mid, depth, self.keep_graph) <= self.reference else (lo, mid)
+            lo, hi = (mid, hi) if self.unit_bytes(mid, depth) <= self.reference else (lo, mid)
         return max(lo, self.floor)
 
 

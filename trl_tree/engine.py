@@ -180,7 +180,7 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
 
 
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
-              chunk_size: int | None, keep_graph: bool, memory_budget: int | None):
+              chunk_size: int | None, keep_graph: bool, memory_budget: int | None, forward_only: bool = False):
     """The walk; without ``chunk_size`` its groups are sized by the memory model (``GroupBudget``):
     one forward+backward of the longest sequence, or ``memory_budget`` when given."""
     from .cost_model import GroupBudget
@@ -191,7 +191,8 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(
             forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
-            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan)
+            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
+            forward_only=forward_only)
     return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens)
 
 
@@ -235,7 +236,8 @@ def tree_logprobs(
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
-        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget)
+        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
+                         forward_only=True)
         logp_rows, ent_rows = walk.logprobs(return_entropy)
         gather = torch.from_numpy(plan.gather).to(logp_rows.device)
         logp = logp_rows.index_select(0, gather)
