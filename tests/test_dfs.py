@@ -26,13 +26,13 @@ def deep_tree(levels: int = 7, vocab: int = 96, seed: int = 0) -> list[list[int]
     return paths[:40]
 
 
-def check_dfs(model, seqs, backend="sdpa", chunk_size=None, keep_graph=False, score_from=None):
+def check_dfs(model, seqs, backend="sdpa", chunk_size=None, keep_graph=False, score_from=None, memory_budget=None):
     ref = untreed_logprobs(model, seqs, score_from=score_from)
     assert_logps_close(tree_logprobs(model, seqs, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
-                                     score_from=score_from), ref)
+                                     score_from=score_from, memory_budget=memory_budget), ref)
     model.zero_grad(set_to_none=True)
     loss = tree_backward(model, seqs, weighted_loss, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
-                         keep_graph=keep_graph, score_from=score_from)
+                         keep_graph=keep_graph, score_from=score_from, memory_budget=memory_budget)
     g_dfs = grads_of(model)
     model.zero_grad(set_to_none=True)
     loss_packed = tree_backward(model, seqs, weighted_loss, mode="packed", attn_backend=backend,

@@ -109,12 +109,6 @@ class ActivationModel:
         return self.call(tokens, tokens, False) + self.stack(depth + tokens, depth, keep_graph)
 
 
-def _per_token_bytes(config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> tuple[int, int]:
-    """(bytes kept per token for the whole layer stack, bytes of one layer's full activations per token)."""
-    m = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
-    return m.kept_per_token, m.transient_per_token
-
-
 def estimate_bytes(config, tokens: int, gradient_checkpointing: bool, stack_slots: int = 0) -> int:
     """Activation bytes of one call over ``tokens`` (plus a K/V stack of ``stack_slots`` with gradients)."""
     m = ActivationModel.of(config, gradient_checkpointing)
