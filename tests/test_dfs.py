@@ -168,14 +168,18 @@ def test_auto_mode_picks_from_the_memory_budget(qwen2):
     qwen2.zero_grad(set_to_none=True)
 
 
-@pytest.fixture
-def split_attention_on_cpu(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["varlen", "dense"])
+def split_attention_on_cpu(request, monkeypatch):
     """The dfs FlashAttention path (prefix rectangle + own tree, log-sum-exp merge, two partial
-    backwards) run on the CPU with the math kernels of ``attention/partial.py``."""
+    backwards) run on the CPU with the math kernels of ``attention/partial.py``; ``dense``: the
+    prefix rectangle and one-node units through the dense slot, as cuDNN runs them on a GPU."""
     from trl_tree.attention import partial
     from trl_tree.dfs import walk
 
-    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+    math = (partial.math_partial_forward, partial.math_partial_backward)
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", math)
+    if request.param:
+        monkeypatch.setitem(partial.DENSE_KERNELS, "math", math)
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
 
 
@@ -254,3 +258,25 @@ def test_lm_head_weight_gradient_taken_once_per_walk(qwen2, monkeypatch):
     tree_backward(qwen2, seqs, weighted_loss, mode="dfs", chunk_size=4)
     qwen2.zero_grad(set_to_none=True)
     assert trainable_calls.count(True) == 1 and len(trainable_calls) > 2
+
+
+def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
+    """With a dense pair registered, the cached prefix (a non-causal rectangle) and one-node units
+    (a causal block as long as its keys) go through it; in-unit trees stay varlen."""
+    from trl_tree.attention import partial
+    from trl_tree.dfs import walk
+
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+    calls = []
+
+    def counting(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        calls.append((causal, q.shape[0], k.shape[0], cu_q.numel()))
+        return partial.math_partial_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+    seqs = WORKLOADS["grpo_group"]
+    assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), untreed_logprobs(qwen2, seqs))
+    assert any(not causal for causal, *_ in calls) and any(causal for causal, *_ in calls)
+    assert all(n_seg == 2 for *_, n_seg in calls)  # one segment each
+    assert all(nq == nk for causal, nq, nk, _ in calls if causal)

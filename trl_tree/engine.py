@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
+from ._device import upload
 from ._inputs import SequenceLike
 from .attention.backends import resolve_backend
 from .attention.dispatch import install
 from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
+from .attention.partial import dense_kernels
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts, capture_last_hidden_state, model_parts
@@ -101,6 +104,10 @@ def _check_every_layer(parts: ModelParts, meta, captured: list) -> None:
 #: attention (see ``dense_row_length``). The benchmarks set it False to time varlen packing itself.
 DENSE_UNSHARED_BATCHES = True
 
+#: Split the packed FlashAttention at the roots (``attention/root_split.py``): None = where it pays
+#: (``metadata.use_root_split``); the benchmarks force True/False to time both.
+ROOT_SPLIT: bool | None = None
+
 
 def dense_row_length(forest: PrefixForest) -> int | None:
     """``L`` when the forest is B sequences of one length L sharing nothing, else None.
@@ -117,10 +124,10 @@ def dense_row_length(forest: PrefixForest) -> int | None:
     return int(forest.seq_lengths[0])
 
 
-def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -> torch.Tensor:
+def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -> torch.Tensor:
     """The ``(B, L)`` batch through the model's own causal attention; the dispatcher still applies
     the tree's refusals and the every-layer check, so a model behaves the same on any batch."""
-    input_ids = torch.from_numpy(forest.tokens).to(parts.device).view(-1, length)
+    input_ids = tokens.view(-1, length)
     meta = DenseCausalBatch(max_depth=length)
     with capture_last_hidden_state(parts.backbone) as captured:
         parts.outer(input_ids=input_ids, use_cache=False,
@@ -130,16 +137,21 @@ def _dense_hidden_states(parts: ModelParts, forest: PrefixForest, length: int) -
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto") -> torch.Tensor:
-    """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward."""
+def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
+                         tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward
+    (``tokens``: ``forest.tokens`` already on the device, else uploaded here)."""
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
     install(parts.causal_lm.config._attn_implementation)
+    if tokens is None:
+        (tokens,) = upload([forest.tokens], torch.int64, parts.device)
     length = dense_row_length(forest)
     if length is not None:
-        return _dense_hidden_states(parts, forest, length)
-    meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend)
-    input_ids = torch.from_numpy(forest.tokens).to(parts.device, non_blocking=True).unsqueeze(0)
-    return tree_forward(parts, input_ids, meta)
+        return _dense_hidden_states(parts, tokens, length)
+    meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
+                                             dense=dense_kernels(backend, parts.device, parts.compute_dtype,
+                                                                 parts.head_dim) is not None)
+    return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 
 def _score(
@@ -149,15 +161,16 @@ def _score(
     attn_backend: str,
     temperature: float,
     return_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order)."""
-    hidden = packed_hidden_states(parts, forest, attn_backend)
-    device = hidden.device
-    pred_src = torch.from_numpy(plan.pred_src).to(device)
-    targets = torch.from_numpy(forest.tokens[plan.pred_dst]).to(device)
+    extra: tuple[np.ndarray, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order), and the
+    ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
+    (``_device.upload``): an upload after it would make the host wait for the whole forward."""
+    tokens, pred_src, targets, gather, *extra_t = upload(
+        [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
+    hidden = packed_hidden_states(parts, forest, attn_backend, tokens)
     logp, ent = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
-    gather = torch.from_numpy(plan.gather).to(device)
-    return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None)
+    return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
@@ -243,7 +256,7 @@ def tree_logprobs(
         logp = logp_rows.index_select(0, gather)
         ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
     else:
-        logp, ent = _score(parts, forest, plan, attn_backend, temperature, return_entropy)
+        logp, ent, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy)
     counts = plan.counts.tolist()
     logps = list(logp.split(counts))
     if return_entropy:
@@ -296,10 +309,8 @@ def tree_backward(
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget)
         return walk.backward(token_loss, keep_graph)
     with torch.enable_grad():
-        logp, _ = _score(parts, forest, plan, attn_backend, temperature, False)
-        device = logp.device
-        seq_idx = torch.from_numpy(plan.seq_idx).to(device)
-        pos = torch.from_numpy(plan.pos).to(device)
+        logp, _, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, False,
+                                         extra=(plan.seq_idx, plan.pos))
         terms = token_loss(logp, seq_idx, pos)
         check_loss_terms(terms, logp)
         loss = terms.sum()

@@ -30,6 +30,7 @@ class ModelParts:
     max_positions: int | None
     final_logit_softcapping: float | None
     logit_scale: float
+    head_dim: int
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +97,8 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         max_positions=getattr(text_config, "max_position_embeddings", None),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
+        head_dim=int(getattr(text_config, "head_dim", None)
+                     or text_config.hidden_size // text_config.num_attention_heads),
     )
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import TreeAttentionMetadata
-from .partial import flash_partial_backward, flash_partial_forward
+from .partial import PARTIAL_KERNELS, dense_kernels, merge_partials
 
 BACKENDS = ("flash", "torch_flash", "flex", "sdpa", "eager")
 
@@ -91,53 +91,116 @@ def to_varlen(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).contiguous()
 
 
-def flash_varlen_forward(q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
-    """PyTorch's FA2 varlen forward over rows ``kv_index`` of ``k``/``v``; returns (out, saved)."""
-    kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-    out, lse, state = flash_partial_forward(q, kg, vg, cu_q, cu_k, max_q, max_k, True, scale)
-    return out, (lse, *state)
-
-
-def flash_varlen_backward(grad_out, q, k, v, out, saved, kv_index, cu_q, cu_k, max_q, max_k, scale):
-    """Gradients of :func:`flash_varlen_forward`: ``dq`` and fp32 ``dk``/``dv`` summed over the gather."""
-    lse, *state = saved
-    kg, vg = k.index_select(0, kv_index), v.index_select(0, kv_index)
-    dq, dkg, dvg = flash_partial_backward(grad_out, q, kg, vg, out, lse, state, cu_q, cu_k, max_q, max_k, True, scale)
-    n = k.shape[0]
-    return dq, _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
-
-
 class _TorchFlashTreeAttention(torch.autograd.Function):
-    """Gather + PyTorch's built-in FlashAttention-2 varlen kernels as one autograd node.
+    """Gathered root paths + FlashAttention varlen kernels as one autograd node, optionally split
+    at the roots (``attention/root_split.py``).
 
     Why not ``torch.nn.attention.varlen.varlen_attn``: autograd would save the *gathered* K/V
     (Σ path lengths rows per layer, several times U on deep trees), and in PyTorch 2.11 it cannot
     do GQA, forcing a head expansion. Here only the packed K/V are saved and re-gathered in
     backward, the kernel reads the K/V heads natively (FA2 takes ``num_heads % num_heads_k == 0``)
     and the gathered gradients are summed back in fp32.
+
+    Split, the parts are: each node against its path below the root (varlen), the rectangle of
+    every query below a root against the root's keys, merged by log-sum-exp; and, when the forest
+    is one tree and a dense kernel runs here (cuDNN, ``partial.dense_kernels``), the root's own
+    causal block apart — the rectangle and the root block are then single dense segments run on
+    cuDNN. Each part's backward is handed the *merged* output and log-sum-exp.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale):
-        out, saved = flash_varlen_forward(q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale)
-        ctx.save_for_backward(q, k, v, out, kv_index, cu_q, cu_k, *saved)
-        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+    def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float):
+        varlen, _ = PARTIAL_KERNELS[meta.backend]
+        split = meta.root_split
+        dense = None if split is None else dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])
+        ctx.one_tree = dense is not None and split.root_rows is not None
+        if ctx.one_tree:
+            R, dense_fwd = split.root_rows, dense[0]
+            o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,
+                                               R, R, True, scale)
+            kv_index = split.path_kv_index[R:]
+            out, lse, state = varlen(q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index),
+                                     split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k, split.nodes_max_seqlen_q,
+                                     split.nodes_max_seqlen_k, True, scale)
+            o_rect, l_rect, s_rect = dense_fwd(q[R:], k[:R], v[:R], split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
+                                               split.rect_max_seqlen_q, R, False, scale)
+            out, lse = merge_partials(o_rect, l_rect, out, lse)
+            out, lse = torch.cat([o_root, out]), torch.cat([l_root, lse], dim=1)
+            states = (s_root, state, s_rect)
+        else:
+            kv_index, cu_k, max_k = _path_keys(meta)
+            out, lse, state = varlen(q, k.index_select(0, kv_index), v.index_select(0, kv_index), meta.cu_seqlens_q,
+                                     cu_k, meta.max_seqlen_q, max_k, True, scale)
+            states = (state, None)
+            if split is not None:
+                rows, keys = split.queries, split.keys
+                rect_fwd = dense[0] if dense is not None and rows.span and keys.span else varlen
+                o_rect, l_rect, s_rect = rect_fwd(rows.take(q), keys.take(k), keys.take(v), split.rect_cu_seqlens_q,
+                                                  split.rect_cu_seqlens_k, split.rect_max_seqlen_q,
+                                                  split.rect_max_seqlen_k, False, scale)
+                o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1))
+                rows.put(out, o_m)
+                rows.put(lse, l_m, dim=1)
+                states = (state, (s_rect, rect_fwd is not varlen))
+        ctx.meta, ctx.scale, ctx.states = meta, scale, states
+        ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, kv_index, cu_q, cu_k, *saved = ctx.saved_tensors
-        dq, dk, dv = flash_varlen_backward(
-            grad_out, q, k, v, out, saved, kv_index, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale
-        )
-        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        meta, scale, split = ctx.meta, ctx.scale, ctx.meta.root_split
+        _, varlen = PARTIAL_KERNELS[meta.backend]
+        n = k.shape[0]
+        if ctx.one_tree:
+            R = split.root_rows
+            dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])[1]
+            s_root, state, s_rect = ctx.states
+            g_nodes, o_nodes, l_nodes = grad_out[R:], out[R:], lse[:, R:].contiguous()
+            dq_root, dk_root, dv_root = dense(grad_out[:R], q[:R], k[:R], v[:R], out[:R], lse[:, :R].contiguous(),
+                                              s_root, split.root_cu_seqlens, split.root_cu_seqlens, R, R, True, scale)
+            kv_index = split.path_kv_index[R:]
+            dq, dkg, dvg = varlen(g_nodes, q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index), o_nodes,
+                                  l_nodes, state, split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k,
+                                  split.nodes_max_seqlen_q, split.nodes_max_seqlen_k, True, scale)
+            dq_rect, dk_rect, dv_rect = dense(g_nodes, q[R:], k[:R], v[:R], o_nodes, l_nodes, s_rect,
+                                              split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
+                                              split.rect_max_seqlen_q, R, False, scale)
+            dq = torch.cat([dq_root.float(), dq.float() + dq_rect.float()])
+            dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
+            dk[:R] += dk_root.float() + dk_rect.float()
+            dv[:R] += dv_root.float() + dv_rect.float()
+            return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
+        state, rect = ctx.states
+        kv_index, cu_k, max_k = _path_keys(meta)
+        dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
+                              state, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True, scale)
+        dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
+        if split is not None:
+            s_rect, on_dense = rect
+            rect_bwd = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])[1] if on_dense else varlen
+            rows, keys = split.queries, split.keys
+            dq_r, dk_r, dv_r = rect_bwd(rows.take(grad_out), rows.take(q), keys.take(k), keys.take(v), rows.take(out),
+                                        rows.take(lse, dim=1).contiguous(), s_rect, split.rect_cu_seqlens_q,
+                                        split.rect_cu_seqlens_k, split.rect_max_seqlen_q, split.rect_max_seqlen_k,
+                                        False, scale)
+            dq = dq.float()
+            rows.add(dq, dq_r.float())
+            keys.add(dk, dk_r.float())
+            keys.add(dv, dv_r.float())
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
+
+
+def _path_keys(meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each node's key rows: its whole root path, or (split) its path below the root."""
+    split = meta.root_split
+    if split is None:
+        return meta.kv_index, meta.cu_seqlens_k, meta.max_seqlen_k
+    return split.path_kv_index, split.path_cu_seqlens_k, split.path_max_seqlen_k
 
 
 def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    out = _TorchFlashTreeAttention.apply(
-        to_varlen(q), to_varlen(k), to_varlen(v), meta.kv_index, meta.cu_seqlens_q, meta.cu_seqlens_k,
-        meta.max_seqlen_q, meta.max_seqlen_k, scaling,
-    )
+    out = _TorchFlashTreeAttention.apply(to_varlen(q), to_varlen(k), to_varlen(v), meta, scaling)
     return out.unsqueeze(0)
 
 

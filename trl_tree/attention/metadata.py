@@ -13,10 +13,44 @@ from typing import Any
 
 import torch
 
+from .._device import upload
 from ..forest import PrefixForest
+from .partial import PARTIAL_KERNELS
+from .root_split import RootSplit, RootSplitLayout
 
 #: keyword argument of ``model(...)`` that carries a :class:`TreeAttentionMetadata`
 TREE_KWARG = "trl_tree_attention"
+
+
+#: split when per-node tiles would waste at least this share of all attention work on the rectangles
+ROOT_SPLIT_MIN_WASTE = 0.1
+#: with a dense kernel (cuDNN): split when the dense blocks are at least this share of the attention
+ROOT_SPLIT_MIN_DENSE_SHARE = 0.25
+#: query rows per FlashAttention-2 tile (forward, head_dim 64-128): a node's rows are padded to it
+FLASH_QUERY_TILE = 128
+
+
+def use_root_split(forest: PrefixForest, layout: RootSplitLayout, dense: bool = False) -> bool:
+    """Whether splitting at the roots pays (measured on H200, ``docs/benchmarks/notes.md`` §12).
+
+    Unsplit, each node computes its share of the root's rectangle in tiles of ``FLASH_QUERY_TILE``
+    query rows: a 60-token tool result fills half a tile, a 512-token completion fills four. Split,
+    each rectangle is one segment, at the price of more kernels and a log-sum-exp merge. With FA2
+    alone the split won only where nodes are short (the agentic tree W4: 5–8% faster at every
+    size; its tiles would waste 25% of all attention work) and lost 2–8% on GRPO groups with
+    512–1024-token completions — so split when the removed waste is a good share. With a dense
+    kernel (``dense``: cuDNN, about twice FA2's speed) the rectangle and the root's causal block
+    of a single tree run dense: split when those blocks are a good share of the attention. Never
+    for roots shorter than a tile (nothing worth a second kernel).
+    """
+    if layout.rect_max_seqlen_k < FLASH_QUERY_TILE:
+        return False
+    total = forest.sum_visible_keys()
+    if dense and layout.rect_q_span is not None:
+        R = layout.root_rows or 0
+        return layout.rectangle_pairs() + R * (R + 1) // 2 >= ROOT_SPLIT_MIN_DENSE_SHARE * total
+    waste = layout.rectangle_tile_waste(FLASH_QUERY_TILE) * layout.rectangle_pairs()
+    return waste >= ROOT_SPLIT_MIN_WASTE * total
 
 
 def tree_visibility(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -54,22 +88,34 @@ class TreeAttentionMetadata:
     calls: int = 0  # attention calls served (checked against the layer count after a forward)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    @classmethod
-    def from_forest(cls, forest: PrefixForest, device: torch.device, backend: str) -> TreeAttentionMetadata:
-        def to(x, dtype):
-            return torch.from_numpy(x).to(device=device, dtype=dtype, non_blocking=True)
+    root_split: RootSplit | None = None  # see attention/root_split.py (FlashAttention backends)
 
+    @classmethod
+    def from_forest(cls, forest: PrefixForest, device: torch.device, backend: str,
+                    root_split: bool | None = None, dense: bool = False) -> TreeAttentionMetadata:
+        """Upload the forest's layout (two copies, ``_device.upload``). ``root_split``: split the
+        attention at the roots (True), never (False), or where it pays (None, :func:`use_root_split`;
+        ``dense``: whether a dense kernel will run the single-segment parts); only backends with
+        partial kernels (``attention/partial.py``, i.e. ``torch_flash``) run it."""
+        layout = None
+        if backend in PARTIAL_KERNELS and root_split is not False:
+            layout = RootSplitLayout.from_forest(forest)
+            if layout is not None and root_split is None and not use_root_split(forest, layout, dense):
+                layout = None
+        longs = upload([forest.subtree_end, forest.position_ids, forest.kv_index], torch.int64, device)
+        ints = upload([forest.cu_seqlens_q, forest.cu_seqlens_k], torch.int32, device)
         return cls(
             backend=backend,
             num_tokens=forest.num_unique_tokens,
             max_depth=forest.max_depth,
-            subtree_end=to(forest.subtree_end, torch.int64),
-            position_ids=to(forest.position_ids, torch.int64).unsqueeze(0),
-            cu_seqlens_q=to(forest.cu_seqlens_q, torch.int32),
-            cu_seqlens_k=to(forest.cu_seqlens_k, torch.int32),
-            kv_index=to(forest.kv_index, torch.int64),
+            subtree_end=longs[0],
+            position_ids=longs[1].unsqueeze(0),
+            cu_seqlens_q=ints[0],
+            cu_seqlens_k=ints[1],
+            kv_index=longs[2],
             max_seqlen_q=forest.max_seqlen_q,
             max_seqlen_k=forest.max_seqlen_k,
+            root_split=layout.to_device(device) if layout is not None else None,
         )
 
     def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:

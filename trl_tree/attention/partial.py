@@ -16,6 +16,8 @@ Kernel pairs share one contract (varlen layout ``q [n, H, D]``, ``k``/``v [m, Hk
 
 - ``flash_partial_forward/backward``: PyTorch's built-in FlashAttention-2 varlen kernels (also
   the kernels under the packed mode's ``torch_flash`` backend, with one part);
+- ``cudnn_dense_forward/backward``: cuDNN's fused attention for a single dense segment (about
+  twice FA2's speed on Hopper), used where a part is one segment;
 - ``math_partial_forward/backward``: the same in plain PyTorch, a per-segment reference that
   lets the CPU tests check the split, the merge and the backward in fp32.
 """
@@ -131,5 +133,60 @@ def math_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q:
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-#: kernel pairs by dfs backend name (tests swap in the math pair to run the split path on a CPU)
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """Varlen ``[n, heads, D]`` as the ``[1, heads, n, D]`` view SDPA kernels take (no copy)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def cudnn_dense_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """cuDNN's fused attention over *one* dense segment (the varlen arguments are not read).
+
+    Why a second kernel: on H100/H200 cuDNN's Hopper kernels run dense attention about twice as
+    fast as PyTorch's FA2 varlen, forward and backward (measured: ``docs/benchmarks/notes.md``
+    §12). A tree's big dense blocks — a root's causal self-attention, the rectangle of all queries
+    below a root against its keys, the depth-first walk's cached prefix — are single segments.
+    GQA is native (K/V keep their heads); the log-sum-exp is the natural-log one FA2 returns, so
+    the two kernels' partials merge (``merge_partials``). ``causal`` needs as many keys as queries.
+    """
+    if causal and q.shape[0] != k.shape[0]:
+        raise ValueError("cudnn_dense_forward: causal attention needs as many keys as queries")
+    out, lse, cum_q, cum_k, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale)
+    return out[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]), (cum_q, cum_k, mq, mk, seed, offset)
+
+
+def cudnn_dense_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
+                         causal: bool, scale: float):
+    """``(dq, dk, dv)`` of :func:`cudnn_dense_forward`'s segment given the merged ``out`` and ``lse``."""
+    cum_q, cum_k, mq, mk, seed, offset = state
+    heads, n = q.shape[1], q.shape[0]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(grad_out.contiguous()), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.reshape(1, heads, n, 1),
+        seed, offset, None, cum_q, cum_k, mq, mk, 0.0, causal, scale=scale)
+    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+
+#: varlen kernel pairs by backend name (tests swap in the math pair to run the split path on a CPU)
 PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward)}
+
+#: kernel pairs for one dense segment, where faster than the varlen pair (see ``dense_kernels``)
+DENSE_KERNELS = {"torch_flash": (cudnn_dense_forward, cudnn_dense_backward)}
+
+#: largest head dimension the dense (cuDNN) pair is used for
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The dense pair of ``backend`` if it runs here, else None (the varlen pair serves instead).
+
+    cuDNN's fused attention: CUDA, fp16/bf16, head dimension a multiple of 8 up to 128, and
+    PyTorch's cuDNN SDPA switch on (``torch.backends.cuda.enable_cudnn_sdp``: a user who turned it
+    off gets the varlen kernels everywhere).
+    """
+    pair = DENSE_KERNELS.get(backend)
+    if pair is None or backend != "torch_flash":
+        return pair
+    ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+          and head_dim <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
+          and torch.backends.cuda.cudnn_sdp_enabled())
+    return pair if ok else None

@@ -16,12 +16,13 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import tree_backward, tree_logprobs
+from .. import engine, tree_backward, tree_logprobs
 from ..attention.backends import BACKENDS, backend_available
+from ..attention.partial import PARTIAL_KERNELS
 from ..dfs.walk import DFS_BACKENDS
 from ..reference import untreed_backward, untreed_logprobs
 from ..tiny import grpo_group, random_tree, tiny_config
-from .common import dump, environment
+from .common import add_kernels_arg, apply_kernels, dump, environment
 
 RULE = 1.5
 
@@ -43,23 +44,40 @@ def _errors(logps, grads, ref_logps, ref_grads) -> dict[str, float]:
     return {"logp_max_abs": float(diffs.max()), "logp_mean_abs": float(diffs.mean()), "grad_rel": (num / den) ** 0.5}
 
 
-def _run(model, seqs, backend, mode="packed"):
+def _run(model, seqs, backend, mode="packed", root_split=None):
     model.zero_grad(set_to_none=True)
     if backend is None:
         logps = untreed_logprobs(model, seqs)
         untreed_backward(model, seqs, _token_loss)
-    else:
-        kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
+        return [lp.detach() for lp in logps], _grads(model)
+    kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
+    engine.ROOT_SPLIT = root_split
+    try:
         with torch.no_grad():
             logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
         tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw)
+    finally:
+        engine.ROOT_SPLIT = None
     return [lp.detach() for lp in logps], _grads(model)
+
+
+def _paths() -> list[tuple[str, str, bool | None, str]]:
+    """(backend, mode, root split, label): every backend packed and dfs; the packed FlashAttention
+    path both whole and split at the roots (``attention/root_split.py``)."""
+    paths = []
+    for b in BACKENDS:
+        if b in PARTIAL_KERNELS:
+            paths += [(b, "packed", False, f"packed/{b}"), (b, "packed", True, f"packed/{b}+split")]
+        else:
+            paths.append((b, "packed", None, f"packed/{b}"))
+    return paths + [(b, "dfs", None, f"dfs/{b}") for b in DFS_BACKENDS]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only smoke-tests the script")
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -74,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with device:
         model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    apply_kernels(model32, args.kernels)  # reference and tree alike: the check is of the tree, on these layers
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
     workloads = {
         "grpo_p300_c100_g8": grpo_group(300, 100, 8, config.vocab_size, seed=1),
@@ -84,27 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         ref_logps, ref_grads = _run(model32, seqs, None)
         base = _errors(*_run(model16, seqs, None), ref_logps, ref_grads)
         results.append({"workload": name, "path": "untreed", "dtype": "bf16", **base})
-        for backend, mode in [(b, "packed") for b in BACKENDS] + [(b, "dfs") for b in DFS_BACKENDS]:
+        for backend, mode, split, label in _paths():
             for dtype, model in (("bf16", model16), ("fp32", model32)):
                 ok, why = backend_available(backend, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
                 if not ok:
-                    results.append({"workload": name, "path": f"{mode}/{backend}", "dtype": dtype, "skipped": why})
+                    results.append({"workload": name, "path": label, "dtype": dtype, "skipped": why})
                     continue
-                errs = _errors(*_run(model, seqs, backend, mode), ref_logps, ref_grads)
+                errs = _errors(*_run(model, seqs, backend, mode, split), ref_logps, ref_grads)
                 if dtype == "bf16":
                     passed = all(errs[k] <= RULE * base[k] for k in ("logp_mean_abs", "logp_max_abs", "grad_rel"))
                 else:
                     passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
                 ok_all &= passed
-                results.append({"workload": name, "path": f"{mode}/{backend}", "dtype": dtype, **errs, "passed": passed})
-    print(f"{'workload':22} {'path':18} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
+                results.append({"workload": name, "path": label, "dtype": dtype, **errs, "passed": passed})
+    print(f"{'workload':22} {'path':24} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
     for r in results:
         if "skipped" in r:
-            print(f"{r['workload']:22} {r['path']:18} {r['dtype']:5} skipped: {r['skipped']}")
+            print(f"{r['workload']:22} {r['path']:24} {r['dtype']:5} skipped: {r['skipped']}")
             continue
         verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
-        print(f"{r['workload']:22} {r['path']:18} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
-    dump(args.out, {"environment": environment(), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
+        print(f"{r['workload']:22} {r['path']:24} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
+    dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
     return 0 if ok_all else 1
 
 

@@ -54,10 +54,43 @@ def time_cuda(
     return statistics.median(times), peak, activation_peak
 
 
-def bench_model(size: str) -> torch.nn.Module:
+#: layer kernels a benchmark can run the model with; the baseline and the tree always share them
+KERNELS = ("hf", "liger")
+
+
+def add_kernels_arg(parser) -> None:
+    parser.add_argument(
+        "--kernels", default="hf", choices=KERNELS,
+        help="hf: the modeling file's own layers; liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU "
+             "(what TRL's use_liger_kernel=True applies), for the baseline and the tree alike")
+
+
+def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
+    """Patch ``model``'s layers with ``kernels`` the way TRL's ``use_liger_kernel=True`` does.
+
+    Why it matters here: at 0.5B every layer launches ~200 small kernels per step (RMSNorm, RoPE and
+    SwiGLU are several each, forward, recompute and backward), and the tree paths — fewer tokens per
+    kernel, several calls for the walk — wait on the host launching them (``bench.overhead``).
+    Liger fuses each of those into one Triton kernel. Only the layer kernels are applied: TRL keeps
+    its own fused LM head (Liger's fused linear cross-entropy would replace the model's forward).
+    """
+    if kernels == "hf":
+        return
+    if kernels != "liger":
+        raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as e:
+        raise SystemExit("--kernels liger needs Liger-Kernel: pip install liger-kernel") from e
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
+def bench_model(size: str, kernels: str = "hf") -> torch.nn.Module:
     """A Qwen2.5-``size``-shaped model, random init on the GPU, bf16, gradient checkpointing on and
     TRL's fused LM head added (the padded baseline uses it; the tree engine calls the original
-    forward), in train mode — how TRL trains it."""
+    forward), in train mode — how TRL trains it; ``kernels="liger"`` patches its layers
+    (:func:`apply_kernels`)."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -69,6 +102,7 @@ def bench_model(size: str) -> torch.nn.Module:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(shaped_config(size), dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
+    apply_kernels(model, kernels)
     model.gradient_checkpointing_enable()
     model.train()
     add_fused_lm_head(model)
@@ -130,7 +164,7 @@ def step_flops(cost: StepCost, config, gradient_checkpointing: bool) -> float:
     return passes * (body_fwd + attn_fwd) + 4 * head_fwd
 
 
-def environment() -> dict:
+def environment(kernels: str = "hf") -> dict:
     props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     import transformers
 
@@ -147,7 +181,17 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "trl": trl_version,
         "python": platform.python_version(),
+        "kernels": kernels if kernels == "hf" else f"{kernels} {_version(kernels.replace('liger', 'liger-kernel'))}",
     }
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def dump(path: str | None, payload: dict) -> None:

@@ -22,7 +22,7 @@ from .. import PrefixForest, tree_backward
 from ..cost_model import GroupBudget
 from ..dfs.plan import plan_walk
 from ..tiny import grpo_group
-from .common import bench_model, dump, environment, padded_step, time_cuda
+from .common import add_kernels_arg, bench_model, dump, environment, padded_step, time_cuda
 
 
 def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(600, 400, 300, 150),
@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, help="write per-kernel tables of the tree paths here")
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
-    model = bench_model(args.size)
+    model = bench_model(args.size, args.kernels)
     config = model.config
 
     workloads = {}
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: T={T} U={U} T/U={T / U:.2f} longest={forest.max_depth}")
         for r in rows:
             print(f"  {r}")
-    dump(args.out, {"environment": environment(), "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, "
+    dump(args.out, {"environment": environment(args.kernels), "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, "
                     "gradient checkpointing", "results": results})
     return 0
 

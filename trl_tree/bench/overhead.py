@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, tree_backward
-from .common import bench_model, padded_step
+from .common import add_kernels_arg, bench_model, padded_step
 from .workloads import suite_workloads
 
 
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
     parser.add_argument("--workloads", default="W1,W3")
     parser.add_argument("--out", default=None, help="also write the cProfile tables here")
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
-    model = bench_model(args.size)
+    model = bench_model(args.size, args.kernels)
     report = []
     for w in suite_workloads(model.config.vocab_size):
         if w.name not in args.workloads.split(","):
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             step()  # warm-up (allocator, Triton autotuning)
             ms = wall(step)
             busy, launches = gpu_busy(step)
-            line = (f"{args.size} {w.name} {name}: wall {ms:.1f} ms, GPU busy {busy:.1f} ms ({busy / ms:.0%}), "
+            line = (f"{args.size} {args.kernels} {w.name} {name}: wall {ms:.1f} ms, GPU busy {busy:.1f} ms ({busy / ms:.0%}), "
                     f"{launches} kernels")
             print(line, flush=True)
             report.append(line)

@@ -27,7 +27,7 @@ import torch
 from .. import PrefixForest, engine, tree_backward
 from ..attention.backends import backend_available
 from ..tiny import grpo_group
-from .common import StepCost, add_grpo_shape_args, bench_model, dump, environment, step_flops, time_cuda
+from .common import StepCost, add_grpo_shape_args, add_kernels_arg, bench_model, dump, environment, step_flops, time_cuda
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, help="write per-kernel CUDA time tables (torch profiler) here")
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
-    model = bench_model(args.size)
+    model = bench_model(args.size, args.kernels)
     config = model.config
 
     G, P, C = args.group, args.prompt, args.completion
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{r['path']:26} {r.get('skipped') or r.get('error')}")
     dump(args.out, {
-        "environment": environment(),
+        "environment": environment(args.kernels),
         "workload": {"model": f"Qwen2.5-{args.size}-shaped (random init)", "dtype": "bf16",
                      "gradient_checkpointing": True, "group": G, "prompt": P, "completion": C,
                      "T": T, "U": U, "T_over_U": round(T / U, 3), "flop_limit": round(limit, 3),

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, engine, tree_backward
-from .common import StepCost, bench_model, dump, environment, padded_step, step_flops, time_cuda
+from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
+from ..attention.metadata import use_root_split
+from ..attention.root_split import RootSplitLayout
 from .workloads import suite_workloads
 
 
@@ -49,17 +51,23 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     def token_loss(lp, seq_idx, pos):
         return -lp * adv[seq_idx] / n_terms
 
-    def tree(the_forest, mode="packed", varlen=False, **kw):
+    def tree(the_forest, mode="packed", varlen=False, root_split=None, **kw):
         def step():
             engine.DENSE_UNSHARED_BATCHES = not varlen  # padding-free = varlen packing, even when unshared
+            engine.ROOT_SPLIT = root_split
             try:
                 tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
             finally:
                 engine.DENSE_UNSHARED_BATCHES = True
+                engine.ROOT_SPLIT = None
         return step
 
     paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
              "tree_packed": tree(forest)}
+    layout = RootSplitLayout.from_forest(forest)
+    split = layout is not None and use_root_split(forest, layout)
+    if layout is not None:  # the packed path the other way round: does the split decision hold?
+        paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
@@ -82,6 +90,7 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
             if r["path"].startswith("tree"):
                 r["fraction_of_flop_limit"] = round(r["speedup"] / limit, 3)
                 r["speedup_over_T_U"] = round(r["speedup"] / (T / U), 3)
+    by["tree_packed"]["root_split"] = split
     pf, tp = by["padding_free"].get("ms"), by["tree_packed"].get("ms")
     single = by.get("longest_single", {})
     dfs = by.get("tree_dfs", {})
@@ -100,14 +109,16 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
 def markdown(payload: dict) -> str:
     env = payload["environment"]
     lines = [f"# Benchmark suite — {env.get('device', '?')}", "",
-             f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; bf16, "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; "
+             f"layer kernels: {env.get('kernels', 'hf')} (baseline and tree alike); bf16, "
              "HF gradient checkpointing, random-init Qwen2.5-shaped models; median of CUDA-event timed steps after "
              "warm-up, all paths in one process on the same rollouts. Speed-up is over TRL's padded path; "
              "limit = FLOP limit (DESIGN); act. peak = peak memory above the weights and the gradients "
              "(activations and temporaries; `time_cuda`).", "",
              "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
-             "÷ limit | tree dfs | dfs act. peak ÷ longest single | act. peak TRL → packed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "÷ limit | root split (packed the other way) | tree dfs | dfs act. peak ÷ longest single | "
+             "act. peak TRL → packed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for size, results in payload["results"].items():
         for r in results:
             by = {x["path"]: x for x in r["rows"]}
@@ -121,10 +132,14 @@ def markdown(payload: dict) -> str:
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
             if "calls" in dfs:
                 dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
+            other = next((p for p in ("tree_packed_unsplit", "tree_packed_split") if p in by), None)
+            split_cell = "–" if "root_split" not in tp else ("yes" if tp["root_split"] else "no")
+            if other:
+                split_cell += f" ({other.removeprefix('tree_packed_')} {ms(other)})"
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
-                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {dfs_cell} | "
+                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {split_cell} | {dfs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
     lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(
@@ -178,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmark_suite.json")
     parser.add_argument("--report", default=None, help="only render the table and plot of this JSON")
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
     if args.report:
         with open(args.report) as f:
@@ -185,16 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results: dict[str, list] = {}
     for size in args.sizes.split(","):
-        model = bench_model(size)
+        model = bench_model(size, args.kernels)
         wanted = set(args.workloads.split(","))
         results[size] = []
         for w in suite_workloads(model.config.vocab_size):
             if w.name in wanted:
                 results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4")))
-                dump(args.out, {"environment": environment(), "results": results})  # keep partial results
+                dump(args.out, {"environment": environment(args.kernels), "results": results})  # keep partial results
         del model
         torch.cuda.empty_cache()
-    payload = {"environment": environment(), "results": results}
+    payload = {"environment": environment(args.kernels), "results": results}
     dump(args.out, payload)
     write_reports(payload, args.out)
     return 0

@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 import torch
 
-from .common import add_grpo_shape_args, dump, environment
+from .common import add_grpo_shape_args, add_kernels_arg, dump, environment
 
 
 def _tokenizer(vocab_size: int):
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="off,packed,dfs")
     parser.add_argument("--out", default=None)
+    add_kernels_arg(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
-            bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+            use_liger_kernel=args.kernels == "liger", bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
         trainer = TreeGRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, r in results.items():
             r["speedup_over_stock"] = round(results["off"]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
     print(results)
-    dump(args.out, {"environment": environment(), "workload": {
+    dump(args.out, {"environment": environment(args.kernels), "workload": {
         "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)",
         "group": args.group, "prompt": args.prompt, "completion": args.completion}, "results": results})
     return 0

@@ -26,7 +26,7 @@ import torch
 from .._device import upload
 from ..attention.backends import masked_attention, to_varlen
 from ..attention.metadata import tree_visibility
-from ..attention.partial import PARTIAL_KERNELS, merge_partials
+from ..attention.partial import PARTIAL_KERNELS, dense_kernels, merge_partials
 from ..forest import PrefixForest
 from .plan import Unit, unit_layout
 
@@ -87,6 +87,7 @@ class UnitAttentionMetadata:
     prefix_cu_q: torch.Tensor  # [0, n]: all queries, one segment
     prefix_cu_k: torch.Tensor  # [0, depth]
     subtree_end: torch.Tensor  # [n] unit-relative, for the explicit mask of the reference backends
+    one_segment: bool = False  # the unit is one node: its own part is a single causal segment
     calls: int = 0
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
@@ -114,6 +115,7 @@ class UnitAttentionMetadata:
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=int(layout["max_seqlen_q"]), max_seqlen_k=int(layout["max_seqlen_k"]),
                 prefix_cu_q=prefix_cu_q, prefix_cu_k=prefix_cu_k, subtree_end=subtree_end,
+                one_segment=len(layout["cu_seqlens_q"]) == 2 and kv_local.shape[0] == n,
             ))
         return metas
 
@@ -141,6 +143,16 @@ def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling):
     return out[0]
 
 
+def _kernel_pairs(meta: UnitAttentionMetadata, q: torch.Tensor):
+    """(own part, prefix part) kernel pairs: the cached prefix is one dense rectangle and a
+    one-node unit one causal block — both run on the dense pair (cuDNN) where it runs here."""
+    varlen = PARTIAL_KERNELS[meta.backend]
+    dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])
+    if dense is None:
+        return varlen, varlen
+    return (dense if meta.one_segment else varlen), dense
+
+
 def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:
     """The unit's own keys (or values) node after node: each node's in-unit ancestors and itself."""
     return x if meta.kv_local is None else x.index_select(0, meta.kv_local)
@@ -158,13 +170,13 @@ class _UnitAttention(torch.autograd.Function):
             out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling)
             ctx.save_for_backward(q, out)
             return out
-        forward, _ = PARTIAL_KERNELS[meta.backend]
-        out, lse, own_state = forward(q, _own_rows(meta, k), _own_rows(meta, v), meta.cu_seqlens_q,
-                                      meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, True, scaling)
+        own_pair, prefix_pair = _kernel_pairs(meta, q)
+        out, lse, own_state = own_pair[0](q, _own_rows(meta, k), _own_rows(meta, v), meta.cu_seqlens_q,
+                                          meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, True, scaling)
         prefix_state = None
         if d:
-            out_p, lse_p, prefix_state = forward(q, kb[:d], vb[:d], meta.prefix_cu_q, meta.prefix_cu_k, n, d,
-                                                 False, scaling)
+            out_p, lse_p, prefix_state = prefix_pair[0](q, kb[:d], vb[:d], meta.prefix_cu_q, meta.prefix_cu_k, n, d,
+                                                        False, scaling)
             out, lse = merge_partials(out_p, lse_p, out, lse)
         ctx.states = (own_state, prefix_state)
         ctx.save_for_backward(q, out, lse)
@@ -178,10 +190,10 @@ class _UnitAttention(torch.autograd.Function):
         gk, gv = meta.stack.grad_buffers(layer)
         if meta.backend in PARTIAL_KERNELS:
             q, out, lse = ctx.saved_tensors
-            _, backward = PARTIAL_KERNELS[meta.backend]
+            own_pair, prefix_pair = _kernel_pairs(meta, q)
             own_state, prefix_state = ctx.states
             k_own, v_own = kb[d : d + n], vb[d : d + n]
-            dq, dk_rows, dv_rows = backward(grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
+            dq, dk_rows, dv_rows = own_pair[1](grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
                                             own_state, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                             meta.max_seqlen_k, True, ctx.scaling)
             if meta.kv_local is None:
@@ -192,7 +204,7 @@ class _UnitAttention(torch.autograd.Function):
                 dv_own = torch.zeros(v_own.shape, dtype=torch.float32, device=q.device).index_add_(
                     0, meta.kv_local, dv_rows.float())
             if d:
-                dq_p, dk_p, dv_p = backward(grad_out, q, kb[:d], vb[:d], out, lse, prefix_state, meta.prefix_cu_q,
+                dq_p, dk_p, dv_p = prefix_pair[1](grad_out, q, kb[:d], vb[:d], out, lse, prefix_state, meta.prefix_cu_q,
                                             meta.prefix_cu_k, n, d, False, ctx.scaling)
                 dq = (dq.float() + dq_p.float()).to(q.dtype)
                 gk[:d] += dk_p

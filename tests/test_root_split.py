@@ -1,0 +1,161 @@
+"""The packed FlashAttention path, whole root paths and split at the roots, against the untreed
+computation (fp32, CPU: the kernels of ``attention/partial.py``'s math reference stand in for
+FlashAttention, as in the depth-first walk's tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_exactness import WORKLOADS, check_exact
+
+from trl_tree import PrefixForest, engine, tree_logprobs
+from trl_tree.attention import backends, partial
+from trl_tree.attention.metadata import TreeAttentionMetadata, use_root_split
+from trl_tree.attention.root_split import RootSplitLayout
+from trl_tree.tiny import grpo_group, random_tree, tiny_model
+
+VOCAB = 96
+
+
+MATH = (partial.math_partial_forward, partial.math_partial_backward)
+
+
+def _math_backend(mp: pytest.MonkeyPatch, dense: bool) -> None:
+    mp.setitem(partial.PARTIAL_KERNELS, "math", MATH)
+    if dense:  # single-segment parts (root block, rectangle) through the dense slot, as cuDNN runs them
+        mp.setitem(partial.DENSE_KERNELS, "math", MATH)
+    mp.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
+    mp.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+
+
+@pytest.fixture(params=[False, True], ids=["varlen", "dense"])
+def flash_path_on_cpu(request, monkeypatch):
+    """``attn_backend="math"``: the packed torch_flash function (gather, partial kernels, merge,
+    fp32 scatter of the gathered gradients) with the math kernels; ``dense``: with a dense pair
+    registered too, so a single tree runs its root block and rectangle as dense segments."""
+    _math_backend(monkeypatch, request.param)
+    return request.param
+
+
+@pytest.fixture(params=[False, True, None], ids=["whole-paths", "split", "auto"])
+def root_split(request, monkeypatch):
+    monkeypatch.setattr(engine, "ROOT_SPLIT", request.param)
+    return request.param
+
+
+def _keys_of_every_query(forest: PrefixForest, layout: RootSplitLayout) -> list[list[int]]:
+    """The keys each packed query attends to under the split (path part ∪ rectangle part)."""
+    keys: list[list[int]] = [[] for _ in range(forest.num_unique_tokens)]
+    cu_q, path_cu = forest.cu_seqlens_q, layout.path_cu_seqlens_k
+    for v in range(forest.num_nodes):
+        path = layout.path_kv_index[path_cu[v] : path_cu[v + 1]].tolist()
+        n = int(cu_q[v + 1] - cu_q[v])
+        for i in range(n):  # causal, bottom-right: query i sees all but the last n - 1 - i keys
+            keys[int(cu_q[v]) + i] += path[: len(path) - (n - 1 - i)]
+    rq, rk = layout.rect_cu_seqlens_q, layout.rect_cu_seqlens_k
+    for r in range(len(rq) - 1):
+        for q in layout.rect_q_rows[rq[r] : rq[r + 1]].tolist():
+            keys[q] += layout.rect_k_rows[rk[r] : rk[r + 1]].tolist()
+    return keys
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=9), min_size=1, max_size=9))
+def test_split_layout_gives_every_query_its_visible_keys_once(seqs):
+    forest = PrefixForest.from_sequences(seqs)
+    layout = RootSplitLayout.from_forest(forest)
+    if layout is None:
+        assert not np.any((forest.node_parent < 0) & (forest.node_num_children > 0))
+        return
+    keys = _keys_of_every_query(forest, layout)
+    for q, ks in enumerate(keys):
+        visible = [k for k in range(q + 1) if q < forest.subtree_end[k]]
+        assert sorted(ks) == visible, f"query {q}"  # the tree rule, and no key twice
+    n = np.diff(forest.cu_seqlens_q).astype(np.int64)
+    path_pairs = int((n * np.diff(layout.path_cu_seqlens_k) - n * (n - 1) // 2).sum())
+    assert layout.rectangle_pairs() + path_pairs == forest.sum_visible_keys()
+
+
+def test_one_root_is_a_slice_several_are_gathered():
+    one = RootSplitLayout.from_forest(PrefixForest.from_sequences(grpo_group(8, 3, 4, VOCAB)))
+    assert one.rect_k_span == (0, 8) and one.rect_q_span == (8, 20)
+    several = RootSplitLayout.from_forest(PrefixForest.from_sequences(grpo_group(8, 3, 4, VOCAB, num_prompts=2)))
+    assert several.rect_k_span is None and several.rect_q_span is None
+    assert several.rect_k_rows.tolist() == list(range(8)) + list(range(20, 28))
+    assert RootSplitLayout.from_forest(PrefixForest.from_sequences([[1, 2], [3, 4]])) is None  # nothing shared
+
+
+def test_split_where_per_node_tiles_would_waste_the_rectangle():
+    def decide(seqs):
+        forest = PrefixForest.from_sequences(seqs)
+        layout = RootSplitLayout.from_forest(forest)
+        return layout is not None and use_root_split(forest, layout)
+
+    assert decide(grpo_group(400, 30, 8, VOCAB))  # short nodes below a long root: tiles half empty
+    forest = PrefixForest.from_sequences(grpo_group(400, 512, 4, VOCAB))
+    assert use_root_split(forest, RootSplitLayout.from_forest(forest), dense=True)  # dense: the blocks pay
+    assert not decide(grpo_group(400, 512, 4, VOCAB))  # 512-token completions fill their tiles
+    assert not decide(grpo_group(1, 40, 8, VOCAB))  # a one-token root: nothing worth a second kernel
+    forest = PrefixForest.from_sequences(grpo_group(400, 30, 8, VOCAB))
+    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "torch_flash").root_split is not None
+    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "torch_flash", root_split=False).root_split is None
+    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "sdpa").root_split is None  # FlashAttention only
+    distinct = RootSplitLayout.from_forest(PrefixForest.from_sequences(grpo_group(400, 30, 8, 10**6)))
+    assert distinct.rectangle_tile_waste(128) == (128 - 30) / 30  # eight 30-token completions, no common token
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_flash_path_exact(qwen2, flash_path_on_cpu, root_split, workload):
+    check_exact(qwen2, WORKLOADS[workload], "math")
+
+
+def test_flash_path_deep_and_multi_root(qwen2, flash_path_on_cpu, root_split):
+    check_exact(qwen2, random_tree(16, VOCAB, max_len=40, seed=7), "math", score_from=1)
+    check_exact(qwen2, grpo_group(9, 4, 5, VOCAB, num_prompts=3, seed=2) + [[1, 2, 3]], "math", temperature=0.7)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=10), min_size=1, max_size=8),
+       st.sampled_from([False, True]), st.booleans())
+def test_flash_path_random_forests(qwen2, seqs, split, dense):
+    with pytest.MonkeyPatch.context() as mp:
+        _math_backend(mp, dense)
+        mp.setattr(engine, "ROOT_SPLIT", split)
+        check_exact(qwen2, seqs, "math")
+
+
+def test_one_tree_runs_its_root_block_and_rectangle_dense(qwen2, monkeypatch):
+    """With a dense pair, one tree's root block and rectangle go through it (two calls per layer
+    forward), every other part through the varlen pair; a forest of two trees does not."""
+    _math_backend(monkeypatch, dense=False)
+    calls = []
+
+    def counting(*args):
+        calls.append(args[7])  # causal flag
+        return partial.math_partial_forward(*args)
+
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB))
+    layers = qwen2.config.num_hidden_layers
+    assert sorted(calls) == [False] * layers + [True] * layers  # rectangle (non-causal), root block (causal)
+    calls.clear()
+    tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB, num_prompts=2))
+    assert calls == []  # two trees: the rectangles are gathered, varlen
+
+
+def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):
+    """HF gradient checkpointing re-runs the split attention in backward; still exact."""
+    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_exact(model, grpo_group(10, 5, 4, VOCAB, num_prompts=2, seed=3), "math")
