@@ -180,6 +180,7 @@ def split_attention_on_cpu(request, monkeypatch):
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", math)
     if request.param:
         monkeypatch.setitem(partial.DENSE_KERNELS, "math", math)
+        monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
 
 
@@ -274,9 +275,11 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
         return partial.math_partial_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)  # one-token units stay varlen (cuDNN refuses 1 x 1)
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
     seqs = WORKLOADS["grpo_group"]
     assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), untreed_logprobs(qwen2, seqs))
     assert any(not causal for causal, *_ in calls) and any(causal for causal, *_ in calls)
     assert all(n_seg == 2 for *_, n_seg in calls)  # one segment each
     assert all(nq == nk for causal, nq, nk, _ in calls if causal)
+    assert all(min(nq, nk) >= 2 for _, nq, nk, _ in calls)

@@ -26,6 +26,7 @@ def _math_backend(mp: pytest.MonkeyPatch, dense: bool) -> None:
     mp.setitem(partial.PARTIAL_KERNELS, "math", MATH)
     if dense:  # single-segment parts (root block, rectangle) through the dense slot, as cuDNN runs them
         mp.setitem(partial.DENSE_KERNELS, "math", MATH)
+    mp.setattr(partial, "DENSE_MIN_ROWS", 1)  # the tiny test trees' blocks count as dense
     mp.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
     mp.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
 
@@ -150,6 +151,9 @@ def test_one_tree_runs_its_root_block_and_rectangle_dense(qwen2, monkeypatch):
     calls.clear()
     tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB, num_prompts=2))
     assert calls == []  # two trees: the rectangles are gathered, varlen
+    monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 13)
+    tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB))
+    assert calls == []  # a 12-token root is below the dense pair's minimum block
 
 
 def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):

@@ -174,17 +174,25 @@ DENSE_KERNELS = {"torch_flash": (cudnn_dense_forward, cudnn_dense_backward)}
 
 #: largest head dimension the dense (cuDNN) pair is used for
 CUDNN_MAX_HEAD_DIM = 128
+#: fewest query and key rows a part needs to go to the dense pair (cuDNN refuses 1 x 1 blocks,
+#: and a block smaller than a tile gains nothing from a second kernel)
+DENSE_MIN_ROWS = 64
 
 
-def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The dense pair of ``backend`` if it runs here, else None (the varlen pair serves instead).
+def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                  q_rows: int | None = None, k_rows: int | None = None):
+    """The dense pair of ``backend`` if it runs here (for a block of ``q_rows`` x ``k_rows``, when
+    given), else None (the varlen pair serves instead).
 
-    cuDNN's fused attention: CUDA, fp16/bf16, head dimension a multiple of 8 up to 128, and
-    PyTorch's cuDNN SDPA switch on (``torch.backends.cuda.enable_cudnn_sdp``: a user who turned it
-    off gets the varlen kernels everywhere).
+    cuDNN's fused attention: CUDA, fp16/bf16, head dimension a multiple of 8 up to 128, blocks of
+    at least ``DENSE_MIN_ROWS`` each way, and PyTorch's cuDNN SDPA switch on
+    (``torch.backends.cuda.enable_cudnn_sdp``: a user who turned it off gets the varlen kernels
+    everywhere).
     """
     pair = DENSE_KERNELS.get(backend)
-    if pair is None or backend != "torch_flash":
+    if pair is None or min(q_rows or DENSE_MIN_ROWS, k_rows or DENSE_MIN_ROWS) < DENSE_MIN_ROWS:
+        return None
+    if backend != "torch_flash":
         return pair
     ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
           and head_dim <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()

@@ -25,6 +25,8 @@ import torch
 from .. import PrefixForest, engine, tree_backward
 from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
 from ..attention.metadata import use_root_split
+from ..attention.partial import dense_kernels
+from ..model_parts import model_parts
 from ..attention.root_split import RootSplitLayout
 from .workloads import suite_workloads
 
@@ -65,7 +67,9 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
              "tree_packed": tree(forest)}
     layout = RootSplitLayout.from_forest(forest)
-    split = layout is not None and use_root_split(forest, layout)
+    parts = model_parts(model)
+    dense = dense_kernels("torch_flash", parts.device, parts.compute_dtype, parts.head_dim) is not None
+    split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     if layout is not None:  # the packed path the other way round: does the split decision hold?
         paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
     if dfs:

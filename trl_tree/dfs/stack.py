@@ -147,10 +147,10 @@ def _kernel_pairs(meta: UnitAttentionMetadata, q: torch.Tensor):
     """(own part, prefix part) kernel pairs: the cached prefix is one dense rectangle and a
     one-node unit one causal block — both run on the dense pair (cuDNN) where it runs here."""
     varlen = PARTIAL_KERNELS[meta.backend]
-    dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])
-    if dense is None:
-        return varlen, varlen
-    return (dense if meta.one_segment else varlen), dense
+    n, d = meta.num_tokens, meta.depth
+    own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n) if meta.one_segment else None
+    prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d) if d else None
+    return own or varlen, prefix or varlen
 
 
 def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:
