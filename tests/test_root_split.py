@@ -95,8 +95,9 @@ def test_split_where_per_node_tiles_would_waste_the_rectangle():
         return layout is not None and use_root_split(forest, layout)
 
     assert decide(grpo_group(400, 30, 8, VOCAB))  # short nodes below a long root: tiles half empty
-    forest = PrefixForest.from_sequences(grpo_group(400, 512, 4, VOCAB))
-    assert use_root_split(forest, RootSplitLayout.from_forest(forest), dense=True)  # dense: the blocks pay
+    for completion, dense_pays in ((128, True), (400, False)):  # dense blocks 0.90 / 0.68 of the attention
+        forest = PrefixForest.from_sequences(grpo_group(400, completion, 8, VOCAB))
+        assert use_root_split(forest, RootSplitLayout.from_forest(forest), dense=True) == dense_pays
     assert not decide(grpo_group(400, 512, 4, VOCAB))  # 512-token completions fill their tiles
     assert not decide(grpo_group(1, 40, 8, VOCAB))  # a one-token root: nothing worth a second kernel
     forest = PrefixForest.from_sequences(grpo_group(400, 30, 8, VOCAB))

@@ -172,7 +172,10 @@ PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward
 #: kernel pairs for one dense segment, where faster than the varlen pair (see ``dense_kernels``)
 DENSE_KERNELS = {"torch_flash": (cudnn_dense_forward, cudnn_dense_backward)}
 
-#: largest head dimension the dense (cuDNN) pair is used for
+#: head dimensions the dense (cuDNN) pair is used for: up to 128 (cuDNN's limit here), and from
+#: 128 on: at head_dim 64 (Qwen2.5-0.5B) the split with cuDNN ran slower than FA2 varlen on H200
+#: (agentic tree: 203 vs 157 ms unsplit), at 128 faster (1.5B: 244 vs 301 ms; notes §12)
+CUDNN_MIN_HEAD_DIM = 128
 CUDNN_MAX_HEAD_DIM = 128
 #: fewest query and key rows a part needs to go to the dense pair (cuDNN refuses 1 x 1 blocks,
 #: and a block smaller than a tile gains nothing from a second kernel)
@@ -184,7 +187,7 @@ def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_d
     """The dense pair of ``backend`` if it runs here (for a block of ``q_rows`` x ``k_rows``, when
     given), else None (the varlen pair serves instead).
 
-    cuDNN's fused attention: CUDA, fp16/bf16, head dimension a multiple of 8 up to 128, blocks of
+    cuDNN's fused attention: CUDA, fp16/bf16, head dimension 128 (``CUDNN_MIN/MAX_HEAD_DIM``), blocks of
     at least ``DENSE_MIN_ROWS`` each way, and PyTorch's cuDNN SDPA switch on
     (``torch.backends.cuda.enable_cudnn_sdp``: a user who turned it off gets the varlen kernels
     everywhere).
@@ -195,6 +198,6 @@ def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_d
     if backend != "torch_flash":
         return pair
     ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-          and head_dim <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
+          and CUDNN_MIN_HEAD_DIM <= head_dim <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
           and torch.backends.cuda.cudnn_sdp_enabled())
     return pair if ok else None
