@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import runpy
 import sys
 
@@ -77,3 +78,45 @@ def test_flop_limit_of_a_grpo_group_is_below_t_over_u():
     limit = step_flops(base, config, False) / step_flops(tree, config, False)
     t_over_u = G * L / (P + G * C)
     assert 0.7 * t_over_u < limit < 0.9 * t_over_u
+
+
+def test_kernels_option_patches_or_refuses_clearly():
+    from trl_tree.bench.common import KERNELS, apply_kernels
+    from trl_tree.tiny import tiny_model
+
+    model = tiny_model("qwen2")
+    before = type(model.model.layers[0].mlp).forward
+    apply_kernels(model, "hf")  # the modeling file's own layers: nothing changes
+    assert type(model.model.layers[0].mlp).forward is before
+    with pytest.raises(ValueError, match="unknown kernels"):
+        apply_kernels(model, "triton")
+    assert KERNELS == ("hf", "liger")
+    if importlib.util.find_spec("liger_kernel") is None:
+        with pytest.raises(SystemExit, match="pip install liger-kernel"):
+            apply_kernels(model, "liger")
+
+
+def test_committed_suite_split_decisions_match_the_rule():
+    """Each committed packed row says whether it ran split at the root; the current rule
+    (``use_root_split``, cuDNN at head_dim 128) must decide the same for that workload and model."""
+    import json
+
+    from trl_tree import PrefixForest
+    from trl_tree.attention.metadata import use_root_split
+    from trl_tree.attention.partial import CUDNN_MAX_HEAD_DIM, CUDNN_MIN_HEAD_DIM
+    from trl_tree.attention.root_split import RootSplitLayout
+    from trl_tree.bench.workloads import suite_workloads
+
+    with open("docs/benchmarks/suite_h200.json") as f:
+        payload = json.load(f)
+    for size, results in payload["results"].items():
+        config = shaped_config(size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dense = CUDNN_MIN_HEAD_DIM <= head_dim <= CUDNN_MAX_HEAD_DIM
+        workloads = {w.name: w for w in suite_workloads(config.vocab_size)}
+        for r in results:
+            forest = PrefixForest.from_sequences(workloads[r["workload"]].sequences)
+            layout = RootSplitLayout.from_forest(forest)
+            expected = layout is not None and use_root_split(forest, layout, dense)
+            packed = next(x for x in r["rows"] if x["path"] == "tree_packed")
+            assert packed["root_split"] == expected, (size, r["workload"])
