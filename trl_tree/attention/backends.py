@@ -112,12 +112,11 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float):
         varlen, _ = PARTIAL_KERNELS[meta.backend]
         split = meta.root_split
-        one_tree = split is not None and split.root_rows is not None
-        rect_rows = split.rect_max_seqlen_q if split is not None else 0
-        dense = None if split is None else dense_kernels(
-            meta.backend, q.device, q.dtype, q.shape[-1], rect_rows, split.root_rows if one_tree else
-            split.rect_max_seqlen_k)
-        ctx.one_tree = dense is not None and one_tree
+        dense = None
+        if split is not None:  # a dense pair for the rectangle (and, one tree, the root block) if it runs here
+            dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], split.rect_max_seqlen_q,
+                                  split.root_rows or split.rect_max_seqlen_k)
+        ctx.one_tree = dense is not None and split.root_rows is not None
         if ctx.one_tree:
             R, dense_fwd = split.root_rows, dense[0]
             o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,

@@ -132,8 +132,8 @@ class RootSplitLayout:
         return RootSplit(
             path_kv_index=longs[0], path_cu_seqlens_k=ints[0], path_max_seqlen_k=self.path_max_seqlen_k,
             rect_cu_seqlens_q=ints[1], rect_cu_seqlens_k=ints[2], rect_max_seqlen_q=self.rect_max_seqlen_q,
-            rect_max_seqlen_k=self.rect_max_seqlen_k, _q=_Rows(self.rect_q_span, longs[1]),
-            _k=_Rows(self.rect_k_span, longs[2]), root_rows=self.root_rows, root_cu_seqlens=ints[3],
+            rect_max_seqlen_k=self.rect_max_seqlen_k, queries=_Rows(self.rect_q_span, longs[1]),
+            keys=_Rows(self.rect_k_span, longs[2]), root_rows=self.root_rows, root_cu_seqlens=ints[3],
             nodes_cu_seqlens_q=ints[4], nodes_cu_seqlens_k=ints[5], nodes_max_seqlen_q=self.nodes_max_seqlen_q,
             nodes_max_seqlen_k=self.nodes_max_seqlen_k,
         )
@@ -177,22 +177,14 @@ class RootSplit:
     rect_cu_seqlens_k: torch.Tensor
     rect_max_seqlen_q: int
     rect_max_seqlen_k: int
-    _q: _Rows
-    _k: _Rows
+    queries: _Rows  # every query below a split root
+    keys: _Rows  # those roots' tokens
     root_rows: int | None = None  # one tree: its root is packed rows [0, R)
     root_cu_seqlens: torch.Tensor | None = None  # [0, R]
     nodes_cu_seqlens_q: torch.Tensor | None = None
     nodes_cu_seqlens_k: torch.Tensor | None = None
     nodes_max_seqlen_q: int = 0
     nodes_max_seqlen_k: int = 0
-
-    @property
-    def queries(self) -> _Rows:
-        return self._q
-
-    @property
-    def keys(self) -> _Rows:
-        return self._k
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
