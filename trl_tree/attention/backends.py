@@ -169,11 +169,16 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             dq_rect, dk_rect, dv_rect = dense(g_nodes, q[R:], k[:R], v[:R], o_nodes, l_nodes, s_rect,
                                               split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
                                               split.rect_max_seqlen_q, R, False, scale)
-            dq = torch.cat([dq_root.float(), dq.float() + dq_rect.float()])
+            # two partial dq per row: one sum, one rounding (as in fp32 then cast), no fp32 copies
+            dq_all = torch.empty_like(q)
+            dq_all[:R] = dq_root
+            torch.add(dq, dq_rect, out=dq_all[R:])
             dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
-            dk[:R] += dk_root.float() + dk_rect.float()
-            dv[:R] += dv_root.float() + dv_rect.float()
-            return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
+            dk[:R] += dk_root
+            dk[:R] += dk_rect
+            dv[:R] += dv_root
+            dv[:R] += dv_rect
+            return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None
         state, rect = ctx.states
         kv_index, cu_k, max_k = _path_keys(meta)
         dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
@@ -187,10 +192,9 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
                                         rows.take(lse, dim=1).contiguous(), s_rect, split.rect_cu_seqlens_q,
                                         split.rect_cu_seqlens_k, split.rect_max_seqlen_q, split.rect_max_seqlen_k,
                                         False, scale)
-            dq = dq.float()
-            rows.add(dq, dq_r.float())
-            keys.add(dk, dk_r.float())
-            keys.add(dv, dv_r.float())
+            rows.add(dq, dq_r)  # a row's two partial dq: one sum, rounded once
+            keys.add(dk, dk_r)
+            keys.add(dv, dv_r)
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
 
 

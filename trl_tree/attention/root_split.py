@@ -159,11 +159,11 @@ class _Rows:
             x.index_copy_(dim, self.index, values)
 
     def add(self, x: torch.Tensor, values: torch.Tensor) -> None:
-        """``x[rows] += values`` in place (rows are distinct)."""
+        """``x[rows] += values`` in place (rows are distinct; ``values`` cast to ``x``'s dtype)."""
         if self.span is not None:
             x[self.span[0] : self.span[1]] += values
         else:
-            x.index_add_(0, self.index, values)
+            x.index_add_(0, self.index, values.to(x.dtype))
 
 
 @dataclass(frozen=True)
