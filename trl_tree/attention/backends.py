@@ -144,8 +144,9 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
                 o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1))
                 rows.put(out, o_m)
                 rows.put(lse, l_m, dim=1)
-                states = (state, (s_rect, rect_fwd is not varlen))
-        ctx.meta, ctx.scale, ctx.states = meta, scale, states
+                states = (state, s_rect)
+                ctx.rect_on_dense = rect_fwd is not varlen
+        ctx.meta, ctx.scale, ctx.states, ctx.dense = meta, scale, states, dense
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -156,8 +157,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
         _, varlen = PARTIAL_KERNELS[meta.backend]
         n = k.shape[0]
         if ctx.one_tree:
-            R = split.root_rows
-            dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])[1]
+            R, dense = split.root_rows, ctx.dense[1]
             s_root, state, s_rect = ctx.states
             g_nodes, o_nodes, l_nodes = grad_out[R:], out[R:], lse[:, R:].contiguous()
             dq_root, dk_root, dv_root = dense(grad_out[:R], q[:R], k[:R], v[:R], out[:R], lse[:, :R].contiguous(),
@@ -179,14 +179,13 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             dv[:R] += dv_root
             dv[:R] += dv_rect
             return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None
-        state, rect = ctx.states
+        state, s_rect = ctx.states
         kv_index, cu_k, max_k = _path_keys(meta)
         dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
                               state, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True, scale)
         dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
         if split is not None:
-            s_rect, on_dense = rect
-            rect_bwd = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1])[1] if on_dense else varlen
+            rect_bwd = ctx.dense[1] if ctx.rect_on_dense else varlen
             rows, keys = split.queries, split.keys
             dq_r, dk_r, dv_r = rect_bwd(rows.take(grad_out), rows.take(q), keys.take(k), keys.take(v), rows.take(out),
                                         rows.take(lse, dim=1).contiguous(), s_rect, split.rect_cu_seqlens_q,
