@@ -37,7 +37,7 @@ def test_example_runs(argv, monkeypatch, capsys):
     assert "max |Δ log-prob| vs untreed" in out
 
 
-@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead"])
+@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead", "trie_packer"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
 

@@ -6,8 +6,10 @@
 Per workload (``bench.workloads``) and randomly initialised Qwen2.5-shaped model (bf16, HF gradient
 checkpointing as TRL uses it), on the same rollouts: TRL's padded computation (its fused LM head on
 the completion tokens), padding-free packing through FlashAttention varlen (no sharing; the
-strongest non-tree baseline), the packed tree, and on W1/W4 the depth-first walk with the longest
-single sequence's step as its memory reference. Each path: median of ``--iters`` CUDA-event timed
+strongest non-tree baseline), TRL 1.16's experimental trie packer where anything is shared
+(``bench.trie_packer``, PyTorch's FA2 in place of its Hub kernel), the packed tree (and the same
+split the other way at the root), and on W1/W4 the depth-first walk with the longest single
+sequence's step as its memory reference. Each path: median of ``--iters`` CUDA-event timed
 steps after a warm-up, peak memory above the weights. The FLOP limit (DESIGN, "Measuring speed")
 is computed per workload and model. Writes JSON, a Markdown table next to it and, if matplotlib is
 installed, a PNG of speed-up against T/U with the limit.
@@ -23,11 +25,12 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, engine, tree_backward
-from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
 from ..attention.metadata import use_root_split
 from ..attention.partial import dense_kernels
-from ..model_parts import model_parts
 from ..attention.root_split import RootSplitLayout
+from ..model_parts import model_parts
+from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
+from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
 
 
@@ -72,6 +75,8 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     if layout is not None:  # the packed path the other way round: does the split decision hold?
         paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
+    if layout is not None and trie_packer_available():  # TRL's own tree packing, where anything is shared
+        paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
@@ -120,9 +125,9 @@ def markdown(payload: dict) -> str:
              "limit = FLOP limit (DESIGN); act. peak = peak memory above the weights and the gradients "
              "(activations and temporaries; `time_cuda`).", "",
              "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
-             "÷ limit | root split (packed the other way) | tree dfs | dfs act. peak ÷ longest single | "
-             "act. peak TRL → packed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "÷ limit | root split (packed the other way) | TRL trie packer | tree dfs | "
+             "dfs act. peak ÷ longest single | act. peak TRL → packed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for size, results in payload["results"].items():
         for r in results:
             by = {x["path"]: x for x in r["rows"]}
@@ -136,6 +141,8 @@ def markdown(payload: dict) -> str:
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
             if "calls" in dfs:
                 dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
+            trie = by.get("trl_trie_packer", {})
+            trie_cell = f"{ms('trl_trie_packer')} ({trie['speedup']:.2f}×)" if "speedup" in trie else ms("trl_trie_packer")
             other = next((p for p in ("tree_packed_unsplit", "tree_packed_split") if p in by), None)
             split_cell = "–" if "root_split" not in tp else ("yes" if tp["root_split"] else "no")
             if other:
@@ -143,7 +150,7 @@ def markdown(payload: dict) -> str:
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
-                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {split_cell} | {dfs_cell} | "
+                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {split_cell} | {trie_cell} | {dfs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
     lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(
