@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_exactness import WORKLOADS, check_exact
@@ -17,6 +18,7 @@ from trl_tree.attention.root_split import RootSplitLayout
 from trl_tree.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
+CPU = torch.device("cpu")
 
 
 MATH = (partial.math_partial_forward, partial.math_partial_backward)
@@ -101,17 +103,11 @@ def test_split_where_per_node_tiles_would_waste_the_rectangle():
     assert not decide(grpo_group(400, 512, 4, VOCAB))  # 512-token completions fill their tiles
     assert not decide(grpo_group(1, 40, 8, VOCAB))  # a one-token root: nothing worth a second kernel
     forest = PrefixForest.from_sequences(grpo_group(400, 30, 8, VOCAB))
-    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "torch_flash").root_split is not None
-    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "torch_flash", root_split=False).root_split is None
-    assert TreeAttentionMetadata.from_forest(forest, _cpu(), "sdpa").root_split is None  # FlashAttention only
+    assert TreeAttentionMetadata.from_forest(forest, CPU, "torch_flash").root_split is not None
+    assert TreeAttentionMetadata.from_forest(forest, CPU, "torch_flash", root_split=False).root_split is None
+    assert TreeAttentionMetadata.from_forest(forest, CPU, "sdpa").root_split is None  # FlashAttention only
     distinct = RootSplitLayout.from_forest(PrefixForest.from_sequences(grpo_group(400, 30, 8, 10**6)))
     assert distinct.rectangle_tile_waste(128) == (128 - 30) / 30  # eight 30-token completions, no common token
-
-
-def _cpu():
-    import torch
-
-    return torch.device("cpu")
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
