@@ -106,13 +106,13 @@ def test_committed_suite_split_decisions_match_the_rule():
     from trl_tree.attention.partial import CUDNN_MAX_HEAD_DIM, CUDNN_MIN_HEAD_DIM
     from trl_tree.attention.root_split import RootSplitLayout
     from trl_tree.bench.workloads import suite_workloads
+    from trl_tree.model_parts import head_dim_of
 
     with open("docs/benchmarks/suite_h200.json") as f:
         payload = json.load(f)
     for size, results in payload["results"].items():
         config = shaped_config(size)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dense = CUDNN_MIN_HEAD_DIM <= head_dim <= CUDNN_MAX_HEAD_DIM
+        dense = CUDNN_MIN_HEAD_DIM <= head_dim_of(config) <= CUDNN_MAX_HEAD_DIM
         workloads = {w.name: w for w in suite_workloads(config.vocab_size)}
         for r in results:
             forest = PrefixForest.from_sequences(workloads[r["workload"]].sequences)

@@ -160,3 +160,16 @@ def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     check_exact(model, grpo_group(10, 5, 4, VOCAB, num_prompts=2, seed=3), "math")
+
+
+def test_layout_choices_restore_what_was_set_before():
+    """The benchmarks' override of the packed layout choices restores the previous values, also
+    when the step raises."""
+    assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (True, None)
+    with engine.layout_choices(dense_unshared_batches=False, root_split=True):
+        assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (False, True)
+        with pytest.raises(RuntimeError), engine.layout_choices(root_split=False):
+            assert engine.ROOT_SPLIT is False
+            raise RuntimeError("step failed")
+        assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (False, True)
+    assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (True, None)

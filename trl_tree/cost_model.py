@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .forest import PrefixForest, ScoringPlan
+from .model_parts import head_dim_of
 
 #: chunk sizes tried for dfs, largest first
 CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
@@ -64,7 +65,7 @@ class ActivationModel:
     @classmethod
     def of(cls, config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> "ActivationModel":
         h = config.hidden_size
-        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        head_dim = head_dim_of(config)
         kv = config.num_key_value_heads * head_dim
         layers = config.num_hidden_layers
         layer_saved = (8 * h + 4 * config.intermediate_size + 4 * kv) * dtype_bytes

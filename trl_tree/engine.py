@@ -9,6 +9,7 @@ backward is an ordinary one and works under HF gradient checkpointing, DDP and P
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -109,6 +110,25 @@ DENSE_UNSHARED_BATCHES = True
 ROOT_SPLIT: bool | None = None
 
 
+@contextmanager
+def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None):
+    """Run packed steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``) and
+    restore the previous ones afterwards — how the benchmarks and the GPU check time or check a
+    layout the defaults would not pick."""
+    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT
+    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT
+    DENSE_UNSHARED_BATCHES, ROOT_SPLIT = dense_unshared_batches, root_split
+    try:
+        yield
+    finally:
+        DENSE_UNSHARED_BATCHES, ROOT_SPLIT = saved
+
+
+def dense_blocks(parts: ModelParts, backend: str) -> bool:
+    """Whether a split's single-segment blocks run on a dense kernel (cuDNN) for this model here."""
+    return dense_kernels(backend, parts.device, parts.compute_dtype, parts.head_dim) is not None
+
+
 def dense_row_length(forest: PrefixForest) -> int | None:
     """``L`` when the forest is B sequences of one length L sharing nothing, else None.
 
@@ -149,8 +169,7 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     if length is not None:
         return _dense_hidden_states(parts, tokens, length)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
-                                             dense=dense_kernels(backend, parts.device, parts.compute_dtype,
-                                                                 parts.head_dim) is not None)
+                                             dense=dense_blocks(parts, backend))
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 

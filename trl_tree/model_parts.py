@@ -41,6 +41,12 @@ class ModelParts:
         return self.lm_head.weight.dtype
 
 
+def head_dim_of(config) -> int:
+    """Attention head dimension of a (text) config: ``head_dim`` where the config sets it (Qwen3,
+    Gemma, ... decouple it from the hidden size), else ``hidden_size // num_attention_heads``."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
 def _find_causal_lm(model: torch.nn.Module) -> PreTrainedModel | None:
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.get_output_embeddings() is not None:
@@ -97,8 +103,7 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         max_positions=getattr(text_config, "max_position_embeddings", None),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
-        head_dim=int(getattr(text_config, "head_dim", None)
-                     or text_config.hidden_size // text_config.num_attention_heads),
+        head_dim=head_dim_of(text_config),
     )
 
 

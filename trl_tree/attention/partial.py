@@ -193,7 +193,8 @@ def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_d
     everywhere).
     """
     pair = DENSE_KERNELS.get(backend)
-    if pair is None or min(q_rows or DENSE_MIN_ROWS, k_rows or DENSE_MIN_ROWS) < DENSE_MIN_ROWS:
+    too_small = any(rows is not None and rows < DENSE_MIN_ROWS for rows in (q_rows, k_rows))
+    if pair is None or too_small:
         return None
     if backend != "torch_flash":
         return pair

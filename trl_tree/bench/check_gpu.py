@@ -51,13 +51,10 @@ def _run(model, seqs, backend, mode="packed", root_split=None):
         untreed_backward(model, seqs, _token_loss)
         return [lp.detach() for lp in logps], _grads(model)
     kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
-    engine.ROOT_SPLIT = root_split
-    try:
+    with engine.layout_choices(root_split=root_split):
         with torch.no_grad():
             logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
         tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw)
-    finally:
-        engine.ROOT_SPLIT = None
     return [lp.detach() for lp in logps], _grads(model)
 
 

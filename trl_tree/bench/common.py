@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model_parts import head_dim_of
+
 
 def time_cuda(
     fn: Callable[[], object], warmup: int = 2, iters: int = 5, reset: Callable[[], object] | None = None
@@ -151,7 +153,7 @@ def step_flops(cost: StepCost, config, gradient_checkpointing: bool) -> float:
     """
     h = config.hidden_size
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
+    head_dim = head_dim_of(config)
     kv = config.num_key_value_heads
     inter = config.intermediate_size
     layers = config.num_hidden_layers

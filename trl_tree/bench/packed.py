@@ -78,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     def tree(backend, the_forest=None):
         def step():
             model.zero_grad(set_to_none=False)
-            engine.DENSE_UNSHARED_BATCHES = the_forest is None  # padding-free stays varlen packing
-            try:
+            with engine.layout_choices(dense_unshared_batches=the_forest is None):  # padding-free stays varlen
                 return tree_backward(model, the_forest if the_forest is not None else seqs, token_loss,
                                      attn_backend=backend, score_from=P)
-            finally:
-                engine.DENSE_UNSHARED_BATCHES = True
         return step
 
     baseline_cost = StepCost(T, n_terms, sum(L * (L + 1) // 2 for L in forest.seq_lengths.tolist()))

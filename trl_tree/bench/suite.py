@@ -26,7 +26,6 @@ import torch
 
 from .. import PrefixForest, engine, tree_backward
 from ..attention.metadata import use_root_split
-from ..attention.partial import dense_kernels
 from ..attention.root_split import RootSplitLayout
 from ..model_parts import model_parts
 from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
@@ -58,20 +57,15 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
 
     def tree(the_forest, mode="packed", varlen=False, root_split=None, **kw):
         def step():
-            engine.DENSE_UNSHARED_BATCHES = not varlen  # padding-free = varlen packing, even when unshared
-            engine.ROOT_SPLIT = root_split
-            try:
+            # padding-free = varlen packing, even when unshared
+            with engine.layout_choices(dense_unshared_batches=not varlen, root_split=root_split):
                 tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
-            finally:
-                engine.DENSE_UNSHARED_BATCHES = True
-                engine.ROOT_SPLIT = None
         return step
 
     paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
              "tree_packed": tree(forest)}
     layout = RootSplitLayout.from_forest(forest)
-    parts = model_parts(model)
-    dense = dense_kernels("torch_flash", parts.device, parts.compute_dtype, parts.head_dim) is not None
+    dense = engine.dense_blocks(model_parts(model), "torch_flash")
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     if layout is not None:  # the packed path the other way round: does the split decision hold?
         paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)

@@ -23,12 +23,16 @@ import torch
 from ..attention.partial import PARTIAL_KERNELS, math_partial_backward, math_partial_forward
 
 
+def _kernel_pair(q: torch.Tensor):
+    return PARTIAL_KERNELS["torch_flash"] if q.is_cuda else (math_partial_forward, math_partial_backward)
+
+
 class _VarlenAttention(torch.autograd.Function):
     """``flash_attn_varlen_func`` semantics on PyTorch's FA2 kernels (math reference off CUDA)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
-        forward, _ = PARTIAL_KERNELS["torch_flash"] if q.is_cuda else (math_partial_forward, None)
+        forward, _ = _kernel_pair(q)
         out, lse, state = forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (state, max_q, max_k, causal, scale)
@@ -38,7 +42,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         state, max_q, max_k, causal, scale = ctx.args
-        _, backward = PARTIAL_KERNELS["torch_flash"] if q.is_cuda else (None, math_partial_backward)
+        _, backward = _kernel_pair(q)
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk, dv, None, None, None, None, None, None
 

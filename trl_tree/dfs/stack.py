@@ -9,7 +9,8 @@ with respect to every slot. A unit's attention (``_UnitAttention``):
   (``attention/partial.py``): every query against the cached prefix, read in place from the
   stack as one dense rectangle, and each node against its in-unit ancestors and itself (a small
   varlen gather). The rectangle, and a one-node unit's causal block, go to cuDNN's fused
-  attention where it runs (``partial.dense_kernels``: head_dim 128, blocks of 64+ rows). The reference backends attend over slots ``[0, depth + tokens)`` with a mask.
+  attention where it runs (``partial.dense_kernels``: head_dim 128, blocks of 64+ rows). The
+  reference backends attend over slots ``[0, depth + tokens)`` with a mask.
 - backward: adds the prefix part of dK/dV into the gradient buffer (the ancestors consume it when
   they are popped) and returns, for the unit's own K/V, the kernel's gradient plus what its
   descendants accumulated in its slots — the gradient of the cached K/V fed into the owning node's
