@@ -7,7 +7,9 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
   values for its backward (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs),
   and its backward briefly adds ``3·intermediate`` gradient temporaries (down-projection input,
   gate and up); under gradient checkpointing only the layer input (``hidden`` values) is kept per
-  layer, plus one layer's full activations and temporaries while it is recomputed;
+  layer, plus one layer's full activations and temporaries while it is recomputed; a packed call
+  that keeps its attention outputs for the recompute (``attention/kept.py``) also keeps, per token
+  and layer, the attention output (``heads·head_dim`` values) and its fp32 log-sum-exp (``heads``);
 - the LM head (TRL's chunked log-prob kernel) holds one ``[min(rows, 4096), 32768]`` logit tile, the
   gathered hidden rows and their fp32 gradient; where it differentiates the weight, a full-size
   fp32 weight-gradient buffer and its cast — a fixed cost that at 0.5B outweighs the activations
@@ -63,7 +65,8 @@ class ActivationModel:
     dtype_bytes: int
 
     @classmethod
-    def of(cls, config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> "ActivationModel":
+    def of(cls, config, gradient_checkpointing: bool, dtype_bytes: int = 2,
+           keep_attention: bool = False) -> "ActivationModel":
         h = config.hidden_size
         head_dim = head_dim_of(config)
         kv = config.num_key_value_heads * head_dim
@@ -72,6 +75,9 @@ class ActivationModel:
         backward_temporaries = 3 * config.intermediate_size * dtype_bytes
         if gradient_checkpointing:
             kept, transient = layers * h * dtype_bytes, layer_saved + backward_temporaries
+            if keep_attention:
+                heads = config.num_attention_heads
+                kept += layers * heads * (head_dim * dtype_bytes + 4)
         else:
             kept, transient = layers * layer_saved, backward_temporaries
         forward = (3 * config.intermediate_size + 3 * h) * dtype_bytes
@@ -110,15 +116,20 @@ class ActivationModel:
         return self.call(tokens, tokens, False) + self.stack(depth + tokens, depth, keep_graph)
 
 
-def estimate_bytes(config, tokens: int, gradient_checkpointing: bool, stack_slots: int = 0) -> int:
-    """Activation bytes of one call over ``tokens`` (plus a K/V stack of ``stack_slots`` with gradients)."""
-    m = ActivationModel.of(config, gradient_checkpointing)
+def estimate_bytes(config, tokens: int, gradient_checkpointing: bool, stack_slots: int = 0,
+                   keep_attention: bool = False) -> int:
+    """Activation bytes of one call over ``tokens`` (plus a K/V stack of ``stack_slots`` with gradients;
+    ``keep_attention``: a packed call keeping its attention outputs for the recompute)."""
+    m = ActivationModel.of(config, gradient_checkpointing, keep_attention=keep_attention)
     return tokens * (m.kept_per_token + m.transient_per_token) + m.stack(stack_slots, stack_slots, False)
 
 
-def choose_mode(forest: PrefixForest, config, memory_budget: int, gradient_checkpointing: bool) -> ModeChoice:
-    """Packed if its activations fit ``memory_budget`` bytes, else dfs with the largest fitting chunk."""
-    packed = estimate_bytes(config, forest.num_unique_tokens, gradient_checkpointing)
+def choose_mode(forest: PrefixForest, config, memory_budget: int, gradient_checkpointing: bool,
+                keep_attention: bool = False) -> ModeChoice:
+    """Packed if its activations fit ``memory_budget`` bytes, else dfs with the largest fitting chunk
+    (``keep_attention``: packed keeps its attention outputs for the recompute, ``attention/kept.py``)."""
+    packed = estimate_bytes(config, forest.num_unique_tokens, gradient_checkpointing,
+                            keep_attention=keep_attention and gradient_checkpointing)
     if packed <= memory_budget:
         return ModeChoice("packed", None, packed)
     best = None

@@ -18,8 +18,9 @@ from ._device import upload
 from ._inputs import SequenceLike
 from .attention.backends import resolve_backend
 from .attention.dispatch import install
+from .attention.kept import KeptAttention
 from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
-from .attention.partial import dense_kernels
+from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts, capture_last_hidden_state, model_parts
@@ -109,19 +110,33 @@ DENSE_UNSHARED_BATCHES = True
 #: (``metadata.use_root_split``); the benchmarks force True/False to time both.
 ROOT_SPLIT: bool | None = None
 
+#: Under gradient checkpointing, keep each layer's attention output and log-sum-exp from the forward
+#: so the recompute skips the attention kernels (``attention/kept.py``; packed FlashAttention path).
+#: Costs one hidden-sized tensor per token and layer until the backward reaches the layer; set
+#: False where that memory is needed more than ~3% of the step's time.
+KEEP_ATTENTION = True
+
 
 @contextmanager
-def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None):
-    """Run packed steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``) and
-    restore the previous ones afterwards — how the benchmarks and the GPU check time or check a
-    layout the defaults would not pick."""
-    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT
-    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT
-    DENSE_UNSHARED_BATCHES, ROOT_SPLIT = dense_unshared_batches, root_split
+def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None, keep_attention: bool = True):
+    """Run packed steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``,
+    ``KEEP_ATTENTION``) and restore the previous ones afterwards — how the benchmarks and the GPU
+    check time or check a layout the defaults would not pick."""
+    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION
+    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION
+    DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = dense_unshared_batches, root_split, keep_attention
     try:
         yield
     finally:
-        DENSE_UNSHARED_BATCHES, ROOT_SPLIT = saved
+        DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = saved
+
+
+def keeps_attention(parts: ModelParts, backend: str) -> bool:
+    """Whether a packed call that builds a graph keeps its attention outputs for the recompute: the
+    model recomputes its layers (checkpointing on, training mode — HF recomputes only then) and the
+    backend's function can hand them back (the partial-kernel FlashAttention path)."""
+    return (KEEP_ATTENTION and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
+            and _checkpointing(parts) and parts.causal_lm.training)
 
 
 def dense_blocks(parts: ModelParts, backend: str) -> bool:
@@ -170,6 +185,8 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
         return _dense_hidden_states(parts, tokens, length)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
                                              dense=dense_blocks(parts, backend))
+    if keeps_attention(parts, backend):
+        meta.kept = KeptAttention(parts.num_layers)
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 
@@ -207,7 +224,9 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
     budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
         return "packed", chunk_size
-    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, _checkpointing(parts))
+    checkpointing = _checkpointing(parts)
+    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing,
+                         keep_attention=KEEP_ATTENTION and checkpointing)
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 

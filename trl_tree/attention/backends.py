@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,54 @@ def to_varlen(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).contiguous()
 
 
+class _Attended(NamedTuple):
+    """One forward of the packed FlashAttention function: what its backward needs besides q, k, v."""
+
+    out: torch.Tensor  # [U, H, D]
+    lse: torch.Tensor  # [H, U] fp32, natural log
+    states: tuple  # the kernels' per-part RNG states (no dropout here, but their backward takes them)
+    one_tree: bool  # split with the root block and rectangle on the dense kernel
+    rect_on_dense: bool  # split, several trees: the rectangle on the dense kernel
+    dense: tuple | None  # the dense kernel pair, if any
+
+
+def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float) -> _Attended:
+    """Gathered root paths through the varlen kernel, or the split of ``attention/root_split.py``."""
+    varlen, _ = PARTIAL_KERNELS[meta.backend]
+    split = meta.root_split
+    dense = None
+    if split is not None:  # a dense pair for the rectangle (and, one tree, the root block) if it runs here
+        dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], split.rect_max_seqlen_q,
+                              split.root_rows or split.rect_max_seqlen_k)
+    if dense is not None and split.root_rows is not None:
+        R, dense_fwd = split.root_rows, dense[0]
+        o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,
+                                           R, R, True, scale)
+        kv_index = split.path_kv_index[R:]
+        out, lse, state = varlen(q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index),
+                                 split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k, split.nodes_max_seqlen_q,
+                                 split.nodes_max_seqlen_k, True, scale)
+        o_rect, l_rect, s_rect = dense_fwd(q[R:], k[:R], v[:R], split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
+                                           split.rect_max_seqlen_q, R, False, scale)
+        out, lse = merge_partials(o_rect, l_rect, out, lse)
+        out, lse = torch.cat([o_root, out]), torch.cat([l_root, lse], dim=1)
+        return _Attended(out, lse, (s_root, state, s_rect), True, False, dense)
+    kv_index, cu_k, max_k = _path_keys(meta)
+    out, lse, state = varlen(q, k.index_select(0, kv_index), v.index_select(0, kv_index), meta.cu_seqlens_q,
+                             cu_k, meta.max_seqlen_q, max_k, True, scale)
+    if split is None:
+        return _Attended(out, lse, (state, None), False, False, dense)
+    rows, keys = split.queries, split.keys
+    rect_fwd = dense[0] if dense is not None and rows.span and keys.span else varlen
+    o_rect, l_rect, s_rect = rect_fwd(rows.take(q), keys.take(k), keys.take(v), split.rect_cu_seqlens_q,
+                                      split.rect_cu_seqlens_k, split.rect_max_seqlen_q,
+                                      split.rect_max_seqlen_k, False, scale)
+    o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1))
+    rows.put(out, o_m)
+    rows.put(lse, l_m, dim=1)
+    return _Attended(out, lse, (state, s_rect), False, rect_fwd is not varlen, dense)
+
+
 class _TorchFlashTreeAttention(torch.autograd.Function):
     """Gathered root paths + FlashAttention varlen kernels as one autograd node, optionally split
     at the roots (``attention/root_split.py``).
@@ -109,46 +158,22 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float):
-        varlen, _ = PARTIAL_KERNELS[meta.backend]
-        split = meta.root_split
-        dense = None
-        if split is not None:  # a dense pair for the rectangle (and, one tree, the root block) if it runs here
-            dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], split.rect_max_seqlen_q,
-                                  split.root_rows or split.rect_max_seqlen_k)
-        ctx.one_tree = dense is not None and split.root_rows is not None
-        if ctx.one_tree:
-            R, dense_fwd = split.root_rows, dense[0]
-            o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,
-                                               R, R, True, scale)
-            kv_index = split.path_kv_index[R:]
-            out, lse, state = varlen(q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index),
-                                     split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k, split.nodes_max_seqlen_q,
-                                     split.nodes_max_seqlen_k, True, scale)
-            o_rect, l_rect, s_rect = dense_fwd(q[R:], k[:R], v[:R], split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
-                                               split.rect_max_seqlen_q, R, False, scale)
-            out, lse = merge_partials(o_rect, l_rect, out, lse)
-            out, lse = torch.cat([o_root, out]), torch.cat([l_root, lse], dim=1)
-            states = (s_root, state, s_rect)
-        else:
-            kv_index, cu_k, max_k = _path_keys(meta)
-            out, lse, state = varlen(q, k.index_select(0, kv_index), v.index_select(0, kv_index), meta.cu_seqlens_q,
-                                     cu_k, meta.max_seqlen_q, max_k, True, scale)
-            states = (state, None)
-            if split is not None:
-                rows, keys = split.queries, split.keys
-                rect_fwd = dense[0] if dense is not None and rows.span and keys.span else varlen
-                o_rect, l_rect, s_rect = rect_fwd(rows.take(q), keys.take(k), keys.take(v), split.rect_cu_seqlens_q,
-                                                  split.rect_cu_seqlens_k, split.rect_max_seqlen_q,
-                                                  split.rect_max_seqlen_k, False, scale)
-                o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1))
-                rows.put(out, o_m)
-                rows.put(lse, l_m, dim=1)
-                states = (state, s_rect)
-                ctx.rect_on_dense = rect_fwd is not varlen
-        ctx.meta, ctx.scale, ctx.states, ctx.dense = meta, scale, states, dense
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+    def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float, layer: object = None):
+        kept = meta.kept if layer is not None else None  # kept outputs: attention/kept.py
+        recompute = kept is not None and kept.recomputing(meta.calls)
+        result = kept.take(layer) if recompute else None
+        if result is not None and result.out.shape != q.shape:
+            raise RuntimeError(f"kept attention output {tuple(result.out.shape)} does not match the recomputed "
+                               f"queries {tuple(q.shape)}; the checkpointed forward ran another layout")
+        if result is None:
+            result = _attend(q, k, v, meta, scale)
+            if kept is not None and not recompute:  # the alias, not the output autograd is handed now
+                kept.keep(layer, result._replace(out=result.out.detach()))
+        ctx.meta, ctx.scale = meta, scale
+        ctx.one_tree, ctx.rect_on_dense, ctx.states, ctx.dense = (result.one_tree, result.rect_on_dense,
+                                                                  result.states, result.dense)
+        ctx.save_for_backward(q, k, v, result.out, result.lse)
+        return result.out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -178,7 +203,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             dk[:R] += dk_rect
             dv[:R] += dv_root
             dv[:R] += dv_rect
-            return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None
+            return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None, None
         state, s_rect = ctx.states
         kv_index, cu_k, max_k = _path_keys(meta)
         dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
@@ -194,7 +219,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             rows.add(dq, dq_r)  # a row's two partial dq: one sum, rounded once
             keys.add(dk, dk_r)
             keys.add(dv, dv_r)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None
 
 
 def _path_keys(meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -205,8 +230,10 @@ def _path_keys(meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
     return split.path_kv_index, split.path_cu_seqlens_k, split.path_max_seqlen_k
 
 
-def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    out = _TorchFlashTreeAttention.apply(to_varlen(q), to_varlen(k), to_varlen(v), meta, scaling)
+def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float,
+                               layer: object = None) -> torch.Tensor:
+    """``layer``: the calling attention module, the key of its kept outputs when ``meta.kept`` is set."""
+    out = _TorchFlashTreeAttention.apply(to_varlen(q), to_varlen(k), to_varlen(v), meta, scaling, layer)
     return out.unsqueeze(0)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from .._device import upload
 from ..forest import PrefixForest
+from .kept import KeptAttention
 from .partial import PARTIAL_KERNELS
 from .root_split import RootSplit, RootSplitLayout
 
@@ -91,6 +92,7 @@ class TreeAttentionMetadata:
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     root_split: RootSplit | None = None  # see attention/root_split.py (FlashAttention backends)
+    kept: KeptAttention | None = None  # outputs kept for the checkpointed recompute (attention/kept.py)
 
     @classmethod
     def from_forest(cls, forest: PrefixForest, device: torch.device, backend: str,
@@ -124,6 +126,8 @@ class TreeAttentionMetadata:
         """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``."""
         from .backends import TREE_ATTENTION
 
+        if self.kept is not None:  # only set for the partial-kernel backends, whose function takes the key
+            return TREE_ATTENTION[self.backend](query, key, value, self, scaling, layer=module)
         return TREE_ATTENTION[self.backend](query, key, value, self, scaling)
 
     def dense_mask(self) -> torch.Tensor:
