@@ -2,7 +2,7 @@
 
     python -m trl_tree.bench.overhead [--size 0.5b] [--workloads W1,W3] [--out overhead.txt]
 
-For each path (TRL padded, packed tree, dfs walk) on the suite's workloads: the step's wall time,
+For each path (TRL padded, packed tree, dfs walk, TRL's trie packer where TRL has it) on the suite's workloads: the step's wall time,
 the GPU's busy time (sum of kernel times from the profiler) and the number of kernel launches,
 then a cProfile table of the host's Python time by function. On small models the tree paths are
 bound by launches and Python rather than by FLOPs; this says by how much, and where.
@@ -21,6 +21,7 @@ import torch
 
 from .. import PrefixForest, tree_backward
 from .common import add_kernels_arg, bench_model, padded_step
+from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
 
 
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P)
 
         paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "packed": tree("packed"), "dfs": tree("dfs")}
+        if trie_packer_available():  # TRL's experimental tree packing: launches against ours
+            paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
         for name, step in paths.items():
             step()  # warm-up (allocator, Triton autotuning)
             ms = wall(step)
