@@ -6,6 +6,7 @@ events, baseline and tree in the same process on the same rollouts; report ratio
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -36,6 +37,7 @@ def time_cuda(
         fn()
     if reset is not None:
         reset()
+    gc.collect()  # what an earlier path left in reference cycles must not be freed inside this one's peak
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
