@@ -120,3 +120,18 @@ def test_committed_suite_split_decisions_match_the_rule():
             expected = layout is not None and use_root_split(forest, layout, dense)
             packed = next(x for x in r["rows"] if x["path"] == "tree_packed")
             assert packed["root_split"] == expected, (size, r["workload"])
+
+
+def test_profile_sorts_kernels_by_kind():
+    """``bench.profile`` files the kernel names the H200 profiles show under the right kind."""
+    from trl_tree.bench.profile import kind_of
+
+    assert kind_of("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "gemm"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kind_of("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>") == "attention"
+    assert kind_of("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl>") == "elementwise"
+    assert kind_of("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16>") == "elementwise"
+    assert kind_of("Memcpy HtoD (Pinned -> Device)") == "elementwise"
+    assert kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+    assert kind_of("some_custom_op") == "other"

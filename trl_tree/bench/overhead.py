@@ -21,20 +21,9 @@ import torch
 
 from .. import PrefixForest, tree_backward
 from .common import add_kernels_arg, bench_model, padded_step
+from .profile import gpu_busy
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
-
-
-def gpu_busy(step) -> tuple[float, int]:
-    """(ms of kernel time, kernels launched) in one step, from the profiler's device events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return busy, launches
 
 
 def wall(step, iters: int = 5) -> float:

@@ -29,6 +29,7 @@ from ..attention.metadata import use_root_split
 from ..attention.root_split import RootSplitLayout
 from ..model_parts import model_parts
 from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
+from .profile import gpu_ms_by_kind, kernel_table, profile_step
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
 
@@ -42,7 +43,10 @@ def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepC
     return base, tree
 
 
-def run_workload(model, w, iters: int, dfs: bool) -> dict:
+def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None) -> dict:
+    """Time every path on workload ``w``; with ``profile_tables``, also profile one step of TRL's
+    padded path and of the packed tree (GPU time by kind of kernel in their rows, per-kernel
+    tables appended to the list)."""
     seqs, P = w.sequences, w.score_from
     forest = PrefixForest.from_sequences(seqs)
     flat = PrefixForest.from_sequences(seqs, share_prefixes=False)
@@ -91,6 +95,11 @@ def run_workload(model, w, iters: int, dfs: bool) -> dict:
                          "activation_peak_gib": round(act, 3)})
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
+        if profile_tables is not None and name in ("trl_padded", "tree_packed") and "ms" in rows[-1]:
+            prof = profile_step(fn)
+            rows[-1]["gpu_ms_by_kind"] = gpu_ms_by_kind(prof)
+            profile_tables.append(f"===== {w.name} {name}\n{kernel_table(prof)}")
+            model.zero_grad(set_to_none=True)
         print(w.name, rows[-1], flush=True)
     by = {r["path"]: r for r in rows}
     base = by["trl_padded"].get("ms")
@@ -210,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmark_suite.json")
     parser.add_argument("--report", default=None, help="only render the table and plot of this JSON")
+    parser.add_argument("--profile", default=None,
+                        help="also profile TRL's and the packed tree's step: GPU time by kernel kind in the JSON, "
+                        "per-kernel tables written here")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     if args.report:
@@ -217,13 +229,18 @@ def main(argv: list[str] | None = None) -> int:
             write_reports(json.load(f), args.report)
         return 0
     results: dict[str, list] = {}
+    tables: list[str] | None = [] if args.profile else None
     for size in args.sizes.split(","):
         model = bench_model(size, args.kernels)
         wanted = set(args.workloads.split(","))
         results[size] = []
         for w in suite_workloads(model.config.vocab_size):
             if w.name in wanted:
-                results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4")))
+                results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4"),
+                                                  profile_tables=tables))
+                if args.profile:
+                    with open(args.profile, "w") as f:
+                        f.write("\n\n".join(tables))
                 dump(args.out, {"environment": environment(args.kernels), "results": results})  # keep partial results
         del model
         torch.cuda.empty_cache()
