@@ -88,15 +88,18 @@ def _scatter_sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) ->
 
 
 def to_varlen(x: torch.Tensor) -> torch.Tensor:
-    """HF ``[1, heads, U, D]`` to varlen ``[U, heads, D]``."""
-    return x[0].transpose(0, 1).contiguous()
+    """HF ``[1, heads, U, D]`` to varlen ``[U, heads, D]``. ``squeeze``, not ``x[0]``: the backward
+    of a view stays a view, where ``select``'s allocates a zero tensor and copies into it (two kernels
+    per tensor and layer). After HF's RoPE the layout is usually ``[U, heads, D]`` already, so the
+    ``contiguous`` is free too."""
+    return x.squeeze(0).transpose(0, 1).contiguous()
 
 
 class _Attended(NamedTuple):
     """One forward of the packed FlashAttention function: what its backward needs besides q, k, v."""
 
     out: torch.Tensor  # [U, H, D]
-    lse: torch.Tensor  # [H, U] fp32, natural log
+    lse: tuple[torch.Tensor, ...]  # [H, U] fp32, natural log; one tree: (root rows, the rest), each contiguous
     states: tuple  # the kernels' per-part RNG states (no dropout here, but their backward takes them)
     one_tree: bool  # split with the root block and rectangle on the dense kernel
     rect_on_dense: bool  # split, several trees: the rectangle on the dense kernel
@@ -121,23 +124,27 @@ def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float) -> _Attended:
                                  split.nodes_max_seqlen_k, True, scale)
         o_rect, l_rect, s_rect = dense_fwd(q[R:], k[:R], v[:R], split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
                                            split.rect_max_seqlen_q, R, False, scale)
-        out, lse = merge_partials(o_rect, l_rect, out, lse)
-        out, lse = torch.cat([o_root, out]), torch.cat([l_root, lse], dim=1)
-        return _Attended(out, lse, (s_root, state, s_rect), True, False, dense)
+        whole = torch.empty_like(q)  # the merge writes below the root in place: no concatenation
+        whole[:R] = o_root
+        _, lse = merge_partials(o_rect, l_rect, out, lse, out=whole[R:])
+        # the two LSE parts stay apart: the kernels' backwards read each contiguously
+        return _Attended(whole, (l_root, lse), (s_root, state, s_rect), True, False, dense)
     kv_index, cu_k, max_k = _path_keys(meta)
     out, lse, state = varlen(q, k.index_select(0, kv_index), v.index_select(0, kv_index), meta.cu_seqlens_q,
                              cu_k, meta.max_seqlen_q, max_k, True, scale)
     if split is None:
-        return _Attended(out, lse, (state, None), False, False, dense)
+        return _Attended(out, (lse,), (state, None), False, False, dense)
     rows, keys = split.queries, split.keys
     rect_fwd = dense[0] if dense is not None and rows.span and keys.span else varlen
     o_rect, l_rect, s_rect = rect_fwd(rows.take(q), keys.take(k), keys.take(v), split.rect_cu_seqlens_q,
                                       split.rect_cu_seqlens_k, split.rect_max_seqlen_q,
                                       split.rect_max_seqlen_k, False, scale)
-    o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1))
-    rows.put(out, o_m)
+    in_place = rows.take(out) if rows.span is not None else None  # contiguous rows: merge into them
+    o_m, l_m = merge_partials(o_rect, l_rect, rows.take(out), rows.take(lse, dim=1), out=in_place)
+    if in_place is None:
+        rows.put(out, o_m)
     rows.put(lse, l_m, dim=1)
-    return _Attended(out, lse, (state, s_rect), False, rect_fwd is not varlen, dense)
+    return _Attended(out, (lse,), (state, s_rect), False, rect_fwd is not varlen, dense)
 
 
 class _TorchFlashTreeAttention(torch.autograd.Function):
@@ -172,20 +179,21 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
         ctx.meta, ctx.scale = meta, scale
         ctx.one_tree, ctx.rect_on_dense, ctx.states, ctx.dense = (result.one_tree, result.rect_on_dense,
                                                                   result.states, result.dense)
-        ctx.save_for_backward(q, k, v, result.out, result.lse)
+        ctx.save_for_backward(q, k, v, result.out, *result.lse)
         return result.out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, *lse_parts = ctx.saved_tensors
         meta, scale, split = ctx.meta, ctx.scale, ctx.meta.root_split
         _, varlen = PARTIAL_KERNELS[meta.backend]
         n = k.shape[0]
         if ctx.one_tree:
             R, dense = split.root_rows, ctx.dense[1]
             s_root, state, s_rect = ctx.states
-            g_nodes, o_nodes, l_nodes = grad_out[R:], out[R:], lse[:, R:].contiguous()
-            dq_root, dk_root, dv_root = dense(grad_out[:R], q[:R], k[:R], v[:R], out[:R], lse[:, :R].contiguous(),
+            l_root, l_nodes = lse_parts
+            g_nodes, o_nodes = grad_out[R:], out[R:]
+            dq_root, dk_root, dv_root = dense(grad_out[:R], q[:R], k[:R], v[:R], out[:R], l_root,
                                               s_root, split.root_cu_seqlens, split.root_cu_seqlens, R, R, True, scale)
             kv_index = split.path_kv_index[R:]
             dq, dkg, dvg = varlen(g_nodes, q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index), o_nodes,
@@ -205,6 +213,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             dv[:R] += dv_rect
             return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None, None
         state, s_rect = ctx.states
+        (lse,) = lse_parts
         kv_index, cu_k, max_k = _path_keys(meta)
         dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
                               state, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True, scale)

@@ -27,17 +27,26 @@ from __future__ import annotations
 import torch
 
 
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial attentions over disjoint keys into the attention over their union."""
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys into the attention over their union.
+
+    The sum runs in the log-sum-exp's precision (fp32; fp64 stays fp64): ``out_a·w_a`` promotes
+    the model-dtype output in the multiply itself and ``addcmul`` adds ``out_b·w_b``, so no cast
+    kernels — on small models every launch costs host time. ``out``: write the result there (a
+    slice of the layer's whole output, saving the copy a concatenation would make); it may alias
+    ``out_b``, which is read before it is written.
+    """
     _check_lse_layout(lse_a, out_a)
     _check_lse_layout(lse_b, out_b)
     lse = torch.logaddexp(lse_a, lse_b)
     w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
     w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
-    acc = torch.promote_types(out_a.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays fp64
-    out = out_a.to(acc) * w_a + out_b.to(acc) * w_b
-    return out.to(out_a.dtype), lse
+    merged = torch.addcmul(out_a * w_a, out_b, w_b)
+    if out is None:
+        return merged.to(out_a.dtype), lse
+    out.copy_(merged)
+    return out, lse
 
 
 def _check_lse_layout(lse: torch.Tensor, out: torch.Tensor) -> None:
