@@ -198,8 +198,8 @@ class _UnitAttention(torch.autograd.Function):
             dq, dk_rows, dv_rows = own_pair[1](grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
                                             own_state, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                             meta.max_seqlen_k, True, ctx.scaling)
-            if meta.kv_local is None:
-                dk_own, dv_own = dk_rows.float(), dv_rows.float()
+            if meta.kv_local is None:  # each key row is its own node's: nothing to sum
+                dk_own, dv_own = dk_rows, dv_rows
             else:  # a key row gathered for several nodes: sum its gradients in fp32
                 dk_own = torch.zeros(k_own.shape, dtype=torch.float32, device=q.device).index_add_(
                     0, meta.kv_local, dk_rows.float())
@@ -208,7 +208,7 @@ class _UnitAttention(torch.autograd.Function):
             if d:
                 dq_p, dk_p, dv_p = prefix_pair[1](grad_out, q, kb[:d], vb[:d], out, lse, prefix_state, meta.prefix_cu_q,
                                             meta.prefix_cu_k, n, d, False, ctx.scaling)
-                dq = (dq.float() + dq_p.float()).to(q.dtype)
+                dq = dq + dq_p  # summed at fp32 precision, rounded once (bf16 arithmetic's opmath): no cast kernels
                 gk[:d] += dk_p
                 gv[:d] += dv_p
         else:
@@ -221,10 +221,10 @@ class _UnitAttention(torch.autograd.Function):
                 dq, dk_all, dv_all = torch.autograd.grad(ref, (q_, k_all, v_all), grad_out)
             gk[:d] += dk_all[:d]
             gv[:d] += dv_all[:d]
-            dk_own, dv_own = dk_all[d:].float(), dv_all[d:].float()
-        if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these slots; free them
-            dk_own = dk_own + gk[d : d + n]
-            dv_own = dv_own + gv[d : d + n]
+            dk_own, dv_own = dk_all[d:], dv_all[d:]
+        if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these fp32 slots; free them
+            dk_own = gk[d : d + n] + dk_own  # fp32: the model-dtype gradient is promoted inside the add
+            dv_own = gv[d : d + n] + dv_own
             gk[d : d + n] = 0
             gv[d : d + n] = 0
         return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), None, None, None
