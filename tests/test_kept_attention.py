@@ -150,3 +150,33 @@ def test_cost_model_counts_the_kept_outputs():
             == 100 * per_token)
     # without checkpointing every layer keeps its activations anyway: nothing extra
     assert ActivationModel.of(config, False, keep_attention=True) == ActivationModel.of(config, False)
+
+
+def test_keep_attention_argument_overrides_the_engine_default(flash_path_on_cpu, kept_stores, monkeypatch):
+    """``keep_attention=`` on the entry points wins over ``engine.KEEP_ATTENTION`` both ways."""
+    model = _checkpointed()
+    monkeypatch.setattr(engine, "KEEP_ATTENTION", False)
+    tree_backward(model, SEQS, lambda lp, s, p: -lp, attn_backend="math", keep_attention=True)
+    assert len(kept_stores) == 1
+    monkeypatch.setattr(engine, "KEEP_ATTENTION", True)
+    tree_backward(model, SEQS, lambda lp, s, p: -lp, attn_backend="math", keep_attention=False)
+    with torch.enable_grad():
+        tree_logprobs(model, SEQS, attn_backend="math", keep_attention=False)
+    assert len(kept_stores) == 1
+    with pytest.raises(TypeError, match="keep_attention must be True, False or None"):
+        tree_logprobs(model, SEQS, attn_backend="math", keep_attention="yes")
+
+
+def test_trainer_config_passes_keep_attention():
+    """``tree_keep_attention`` reaches every engine call of the trainers (through ``_mode_kwargs``)."""
+    from types import SimpleNamespace
+
+    from trl_tree.trainers import TreeGRPOConfig, TreeGRPOTrainer
+
+    cpu = dict(output_dir="/tmp/unused", use_cpu=True, bf16=False)
+    assert TreeGRPOConfig(**cpu).tree_keep_attention is True
+    config = TreeGRPOConfig(**cpu, tree_keep_attention=False)
+    kwargs = TreeGRPOTrainer._mode_kwargs(SimpleNamespace(args=config, temperature=1.0))
+    assert kwargs["keep_attention"] is False
+    with pytest.raises(ValueError, match="tree_keep_attention must be True or False"):
+        TreeGRPOConfig(**cpu, tree_keep_attention=None)

@@ -112,8 +112,9 @@ ROOT_SPLIT: bool | None = None
 
 #: Under gradient checkpointing, keep each layer's attention output and log-sum-exp from the forward
 #: so the recompute skips the attention kernels (``attention/kept.py``; packed FlashAttention path).
-#: Costs one hidden-sized tensor per token and layer until the backward reaches the layer; set
-#: False where that memory is needed more than ~3% of the step's time.
+#: Costs one hidden-sized tensor per token and layer until the backward reaches the layer. The
+#: default of the entry points' ``keep_attention=None``; set False (or pass ``keep_attention=False``)
+#: where that memory is needed more than the 1-4% of step time it saves.
 KEEP_ATTENTION = True
 
 
@@ -131,12 +132,19 @@ def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None 
         DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = saved
 
 
-def keeps_attention(parts: ModelParts, backend: str) -> bool:
-    """Whether a packed call that builds a graph keeps its attention outputs for the recompute: the
-    model recomputes its layers (checkpointing on, training mode — HF recomputes only then) and the
-    backend's function can hand them back (the partial-kernel FlashAttention path)."""
-    return (KEEP_ATTENTION and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
+def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None) -> bool:
+    """Whether a packed call that builds a graph keeps its attention outputs for the recompute:
+    asked to (``keep_attention``; None: ``KEEP_ATTENTION``), the model recomputes its layers
+    (checkpointing on, training mode — HF recomputes only then) and the backend's function can hand
+    them back (the partial-kernel FlashAttention path)."""
+    wanted = KEEP_ATTENTION if keep_attention is None else keep_attention
+    return (wanted and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
             and _checkpointing(parts) and parts.causal_lm.training)
+
+
+def _check_keep_attention(keep_attention: bool | None) -> None:
+    if keep_attention not in (None, True, False):
+        raise TypeError(f"keep_attention must be True, False or None, got {keep_attention!r}")
 
 
 def dense_blocks(parts: ModelParts, backend: str) -> bool:
@@ -173,9 +181,10 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
 
 
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
-                         tokens: torch.Tensor | None = None) -> torch.Tensor:
+                         tokens: torch.Tensor | None = None, keep_attention: bool | None = None) -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward
-    (``tokens``: ``forest.tokens`` already on the device, else uploaded here)."""
+    (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
+    see :func:`keeps_attention`)."""
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
     install(parts.causal_lm.config._attn_implementation)
     if tokens is None:
@@ -185,7 +194,7 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
         return _dense_hidden_states(parts, tokens, length)
     meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
                                              dense=dense_blocks(parts, backend))
-    if keeps_attention(parts, backend):
+    if keeps_attention(parts, backend, keep_attention):
         meta.kept = KeptAttention(parts.num_layers)
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
@@ -198,13 +207,14 @@ def _score(
     temperature: float,
     return_entropy: bool,
     extra: tuple[np.ndarray, ...] = (),
+    keep_attention: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order), and the
     ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
     (``_device.upload``): an upload after it would make the host wait for the whole forward."""
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
-    hidden = packed_hidden_states(parts, forest, attn_backend, tokens)
+    hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention)
     logp, ent = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
 
@@ -215,7 +225,7 @@ def _check_chunk_size(chunk_size: int | None) -> None:
 
 
 def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size: int | None,
-                  memory_budget: int | None) -> tuple[str, int | None]:
+                  memory_budget: int | None, keep_attention: bool | None = None) -> tuple[str, int | None]:
     """``mode="auto"``: packed when its activations fit the memory budget, else dfs (cost_model)."""
     if mode != "auto":
         return mode, chunk_size
@@ -226,7 +236,7 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
         return "packed", chunk_size
     checkpointing = _checkpointing(parts)
     choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing,
-                         keep_attention=KEEP_ATTENTION and checkpointing)
+                         keep_attention=(KEEP_ATTENTION if keep_attention is None else keep_attention) and checkpointing)
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 
@@ -264,6 +274,7 @@ def tree_logprobs(
     score_from: int | Sequence[int] | None = None,
     chunk_size: int | None = None,
     memory_budget: int | None = None,
+    keep_attention: bool | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -278,13 +289,16 @@ def tree_logprobs(
     without a chunk size, sibling subtrees are grouped up to the longest sequence's footprint, or
     up to ``memory_budget`` bytes when given); forward only, the result carries no graph. ``mode="auto"``: packed if its activations fit
     ``memory_budget`` bytes (default: 80% of the free GPU memory; unlimited on CPU), else dfs with
-    the largest chunk that fits (``trl_tree.cost_model``).
+    the largest chunk that fits (``trl_tree.cost_model``). ``keep_attention``: with a graph under
+    gradient checkpointing, keep the packed attention's outputs for the recompute (faster, one
+    hidden-sized tensor per token and layer more; None: ``engine.KEEP_ATTENTION``, on by default).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    _check_keep_attention(keep_attention)
     parts, forest = prepare(model, seqs)
-    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
+    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
@@ -294,7 +308,8 @@ def tree_logprobs(
         logp = logp_rows.index_select(0, gather)
         ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
     else:
-        logp, ent, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy)
+        logp, ent, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy,
+                              keep_attention=keep_attention)
     counts = plan.counts.tolist()
     logps = list(logp.split(counts))
     if return_entropy:
@@ -313,6 +328,7 @@ def tree_backward(
     chunk_size: int | None = None,
     keep_graph: bool | None = None,
     memory_budget: int | None = None,
+    keep_attention: bool | None = None,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -329,15 +345,17 @@ def tree_backward(
     node's graph until its backward instead of recomputing it (one forward less per inner node,
     memory of the whole path); ``None`` (default) keeps it when the model uses gradient
     checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
-    ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``.
+    ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``; ``keep_attention``
+    as there (packed mode under gradient checkpointing).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    _check_keep_attention(keep_attention)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
     parts, forest = prepare(model, seqs)
-    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget)
+    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         if keep_graph is None:
@@ -348,7 +366,7 @@ def tree_backward(
         return walk.backward(token_loss, keep_graph)
     with torch.enable_grad():
         logp, _, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, False,
-                                         extra=(plan.seq_idx, plan.pos))
+                                         extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention)
         terms = token_loss(logp, seq_idx, pos)
         check_loss_terms(terms, logp)
         loss = terms.sum()

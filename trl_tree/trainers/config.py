@@ -59,6 +59,14 @@ class TreeArguments:
                   "uses gradient checkpointing (the kept graph is then only each layer's input)."},
     )
 
+    tree_keep_attention: bool = field(
+        default=True,
+        metadata={"help": "packed mode under gradient checkpointing: keep each layer's attention output and "
+                  "log-sum-exp from the forward so the recompute skips the attention kernels (the same gradients; "
+                  "1-4% faster at 1.5B/7B, more on deep trees) for one hidden-sized tensor per unique token and "
+                  "layer. False: recompute the attention, as TRL does."},
+    )
+
     def _check_tree_fields(self) -> None:
         if self.tree_mode not in TREE_MODES:
             raise ValueError(f"tree_mode must be one of {TREE_MODES}, got {self.tree_mode!r}")
@@ -73,12 +81,14 @@ class TreeArguments:
             raise ValueError(f"tree_memory_budget must be a non-negative int (bytes) or None, got {budget!r}")
         if self.tree_keep_graph not in (None, True, False):
             raise ValueError(f"tree_keep_graph must be True, False or None, got {self.tree_keep_graph!r}")
+        if not isinstance(self.tree_keep_attention, bool):
+            raise ValueError(f"tree_keep_attention must be True or False, got {self.tree_keep_attention!r}")
 
 
 @dataclass
 class TreeGRPOConfig(GRPOConfig, TreeArguments):
     """``trl.GRPOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``)."""
+    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``, ``tree_keep_attention``)."""
 
     def __post_init__(self):
         self._check_tree_fields()
@@ -88,7 +98,7 @@ class TreeGRPOConfig(GRPOConfig, TreeArguments):
 @dataclass
 class TreeRLOOConfig(RLOOConfig, TreeArguments):
     """``trl.RLOOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``)."""
+    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``, ``tree_keep_attention``)."""
 
     def __post_init__(self):
         self._check_tree_fields()

@@ -158,6 +158,7 @@ class TreeTrainerMixin:
             temperature=self.temperature,
             chunk_size=self.args.tree_chunk_size,
             memory_budget=self.args.tree_memory_budget,
+            keep_attention=self.args.tree_keep_attention,
         )
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
