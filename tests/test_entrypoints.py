@@ -80,6 +80,17 @@ def test_flop_limit_of_a_grpo_group_is_below_t_over_u():
     assert 0.7 * t_over_u < limit < 0.9 * t_over_u
 
 
+def test_flops_without_the_attention_recompute_drop_one_attention_pass():
+    """With the attention outputs kept (``attention/kept.py``) the checkpointed recompute runs no
+    attention: exactly one forward's attention FLOPs (4·heads·head_dim·layers per pair) fewer."""
+    config = shaped_config("0.5b")
+    cost = StepCost(1000, 300, 250_000)
+    head_dim = config.hidden_size // config.num_attention_heads
+    one_pass = 4 * config.num_attention_heads * head_dim * config.num_hidden_layers * cost.attention_pairs
+    assert step_flops(cost, config, True) - step_flops(cost, config, True, attention_recompute=False) == one_pass
+    assert step_flops(cost, config, False, attention_recompute=False) == step_flops(cost, config, False)
+
+
 def test_kernels_option_patches_or_refuses_clearly():
     from trl_tree.bench.common import KERNELS, apply_kernels
     from trl_tree.tiny import tiny_model

@@ -137,9 +137,13 @@ def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None
     asked to (``keep_attention``; None: ``KEEP_ATTENTION``), the model recomputes its layers
     (checkpointing on, training mode — HF recomputes only then) and the backend's function can hand
     them back (the partial-kernel FlashAttention path)."""
-    wanted = KEEP_ATTENTION if keep_attention is None else keep_attention
-    return (wanted and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
+    return (_wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
             and _checkpointing(parts) and parts.causal_lm.training)
+
+
+def _wants_kept_attention(keep_attention: bool | None) -> bool:
+    """The caller's ``keep_attention``, or the engine default ``KEEP_ATTENTION`` for None."""
+    return KEEP_ATTENTION if keep_attention is None else keep_attention
 
 
 def _check_keep_attention(keep_attention: bool | None) -> None:
@@ -236,7 +240,7 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
         return "packed", chunk_size
     checkpointing = _checkpointing(parts)
     choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing,
-                         keep_attention=(KEEP_ATTENTION if keep_attention is None else keep_attention) and checkpointing)
+                         keep_attention=_wants_kept_attention(keep_attention) and checkpointing)
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 

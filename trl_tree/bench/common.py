@@ -147,13 +147,13 @@ class StepCost:
     attention_pairs: int
 
 
-def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_recompute: bool | None = None) -> float:
+def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_recompute: bool = True) -> float:
     """FLOPs of forward + backward (+ the recompute under gradient checkpointing).
 
     Body: 2 FLOPs per weight per token forward; backward twice that. LM head: 2·H·V per row.
     Attention: QKᵀ and PV, 4·heads·head_dim per visible (query, key) pair forward.
     ``attention_recompute=False``: the recompute skips the attention (its outputs were kept,
-    ``attention/kept.py``); None: it recomputes whenever the layers do.
+    ``attention/kept.py``).
     """
     h = config.hidden_size
     heads = config.num_attention_heads
@@ -166,7 +166,7 @@ def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_r
     attn_fwd = 4 * heads * head_dim * layers * cost.attention_pairs
     head_fwd = 2 * h * config.vocab_size * cost.predictions
     passes = 3 + (1 if gradient_checkpointing else 0)  # fwd + bwd (2x) [+ recompute]
-    attention_passes = passes - (1 if gradient_checkpointing and attention_recompute is False else 0)
+    attention_passes = passes - (1 if gradient_checkpointing and not attention_recompute else 0)
     # the fused head recomputes its tiles in backward: fwd + recompute + 2 gradient GEMMs
     return passes * body_fwd + attention_passes * attn_fwd + 4 * head_fwd
 
