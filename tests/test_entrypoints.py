@@ -37,7 +37,8 @@ def test_example_runs(argv, monkeypatch, capsys):
     assert "max |Δ log-prob| vs untreed" in out
 
 
-@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead", "trie_packer"])
+@pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead", "trie_packer",
+                                    "compiled"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
 
@@ -91,7 +92,7 @@ def test_flops_without_the_attention_recompute_drop_one_attention_pass():
     assert step_flops(cost, config, False, attention_recompute=False) == step_flops(cost, config, False)
 
 
-def test_kernels_option_patches_or_refuses_clearly():
+def test_kernels_option_patches_or_refuses_clearly(monkeypatch):
     from trl_tree.bench.common import KERNELS, apply_kernels
     from trl_tree.tiny import tiny_model
 
@@ -101,7 +102,14 @@ def test_kernels_option_patches_or_refuses_clearly():
     assert type(model.model.layers[0].mlp).forward is before
     with pytest.raises(ValueError, match="unknown kernels"):
         apply_kernels(model, "triton")
-    assert KERNELS == ("hf", "liger")
+    assert KERNELS == ("hf", "liger", "compiled")
+    from trl_tree import compile as tree_compile
+
+    monkeypatch.setattr(tree_compile, "BACKEND", "aot_eager")
+    apply_kernels(model, "compiled")  # every layer child compiled, the model's classes untouched
+    assert all(c._compiled_call_impl is not None for layer in model.model.layers for c in layer.children())
+    assert type(model.model.layers[0].mlp).forward is before
+    tree_compile.uncompile_layers(model)
     if importlib.util.find_spec("liger_kernel") is None:
         with pytest.raises(SystemExit, match="pip install liger-kernel"):
             apply_kernels(model, "liger")

@@ -229,3 +229,23 @@ def test_calls_respect_the_budget():
         for c in calls:
             unique = PrefixForest.from_sequences([seqs[i] for i in c]).num_unique_tokens
             assert unique <= budget or len(c) == 1
+
+
+def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
+    """``tree_compile_layers=True``: the policy's and the reference model's layers are compiled
+    (``aot_eager`` on CPU) and the update is still TRL's (float64)."""
+    import torch._dynamo
+
+    from trl_tree import compile as tree_compile
+
+    monkeypatch.setattr(tree_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    try:
+        trainer = compare("grpo", checkpoint, "packed", tree_fields={"tree_compile_layers": True})
+        for model in (trainer.model, trainer.ref_model):
+            children = [c for layer in tree_compile.decoder_layers(model) for c in layer.children()]
+            assert children and all(c._compiled_call_impl is not None for c in children)
+    finally:
+        torch._dynamo.reset()
+    with pytest.raises(ValueError, match="tree_compile_layers must be True or False"):
+        TreeGRPOConfig(output_dir="x", use_cpu=True, tree_compile_layers="yes")

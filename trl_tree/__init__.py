@@ -4,6 +4,7 @@ The sequences of a micro-batch go into a prefix forest; the policy's forward and
 its unique tokens with tree attention, exactly (see docs/design.md).
 """
 
+from .compile import compile_layers, uncompile_layers
 from .engine import tree_backward, tree_logprobs
 from .forest import PrefixForest
 
@@ -21,4 +22,5 @@ _TRAINERS = ("TreeGRPOConfig", "TreeGRPOTrainer", "TreeRLOOConfig", "TreeRLOOTra
 
 __version__ = "0.1.0"
 
-__all__ = ["PrefixForest", "tree_backward", "tree_logprobs", "__version__", *_TRAINERS]
+__all__ = ["PrefixForest", "compile_layers", "tree_backward", "tree_logprobs", "uncompile_layers", "__version__",
+           *_TRAINERS]

@@ -31,6 +31,12 @@ def _module_eager(module: torch.nn.Module) -> Callable:
     return fn
 
 
+def _original(name: str, module: torch.nn.Module) -> Callable:
+    """The implementation registered under ``name`` before the dispatcher wrapped it."""
+    original = _ORIGINALS[name]
+    return original if original is not None else _module_eager(module)
+
+
 def refuse_inexact(
     module: torch.nn.Module,
     max_depth: int,
@@ -82,17 +88,29 @@ def tree_attention_forward(
     return out, None
 
 
+@torch.compiler.disable
+def _tree_call(name: str, module, query, key, value, attention_mask, meta, kwargs: dict):
+    """Everything the dispatcher does for a call that carries tree metadata.
+
+    Dynamo must not trace it: it reads and writes Python-side state (call counts, kept attention
+    outputs, the walk's K/V stack) that a compiled graph would freeze. The graph break here lets
+    compiled layers (``trl_tree.compile``) fuse everything around the attention, while a call
+    without tree metadata (generation, TRL's own forward) stays traceable.
+    """
+    if not isinstance(meta, DenseCausalBatch):
+        return tree_attention_forward(module, query, key, value, meta, **kwargs)
+    # a dense batch: the model's own attention, under the tree's refusals
+    refuse_inexact(module, meta.max_depth, **kwargs)
+    meta.calls += 1
+    return _original(name, module)(module, query, key, value, attention_mask, **kwargs)
+
+
 def _make_dispatcher(name: str) -> Callable:
     def trl_tree_attention(module, query, key, value, attention_mask, **kwargs):
         meta = kwargs.pop(TREE_KWARG, None)
-        if meta is not None and not isinstance(meta, DenseCausalBatch):
-            return tree_attention_forward(module, query, key, value, meta, **kwargs)
-        if meta is not None:  # a dense batch: the model's own attention, under the tree's refusals
-            refuse_inexact(module, meta.max_depth, **kwargs)
-            meta.calls += 1
-        original = _ORIGINALS[name]
-        fn = original if original is not None else _module_eager(module)
-        return fn(module, query, key, value, attention_mask, **kwargs)
+        if meta is not None:
+            return _tree_call(name, module, query, key, value, attention_mask, meta, kwargs)
+        return _original(name, module)(module, query, key, value, attention_mask, **kwargs)
 
     trl_tree_attention.__trl_tree_dispatcher__ = True  # type: ignore[attr-defined]
     return trl_tree_attention

@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with device:
         model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    apply_kernels(model32, args.kernels)  # reference and tree alike: the check is of the tree, on these layers
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    for model in (model32, model16):  # reference and tree alike: the check is of the tree, on these layers
+        apply_kernels(model, args.kernels)  # after the copy: a deep copy drops torch.compile's wrappers
     workloads = {
         "grpo_p300_c100_g8": grpo_group(300, 100, 8, config.vocab_size, seed=1),
         "random_tree_24": random_tree(24, config.vocab_size, max_len=256, seed=2),

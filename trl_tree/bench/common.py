@@ -59,14 +59,15 @@ def time_cuda(
 
 
 #: layer kernels a benchmark can run the model with; the baseline and the tree always share them
-KERNELS = ("hf", "liger")
+KERNELS = ("hf", "liger", "compiled")
 
 
 def add_kernels_arg(parser) -> None:
     parser.add_argument(
         "--kernels", default="hf", choices=KERNELS,
         help="hf: the modeling file's own layers; liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU "
-             "(what TRL's use_liger_kernel=True applies), for the baseline and the tree alike")
+             "(what TRL's use_liger_kernel=True applies); compiled: torch.compile of every layer's attention "
+             "module, MLP and norms (trl_tree.compile_layers) — for the baseline and the tree alike")
 
 
 def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
@@ -77,8 +78,14 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
     kernel, several calls for the walk — wait on the host launching them (``bench.overhead``).
     Liger fuses each of those into one Triton kernel. Only the layer kernels are applied: TRL keeps
     its own fused LM head (Liger's fused linear cross-entropy would replace the model's forward).
+    ``kernels="compiled"`` fuses them with Inductor instead (``trl_tree.compile_layers``).
     """
     if kernels == "hf":
+        return
+    if kernels == "compiled":
+        from ..compile import compile_layers
+
+        compile_layers(model)
         return
     if kernels != "liger":
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
@@ -188,8 +195,17 @@ def environment(kernels: str = "hf") -> dict:
         "transformers": transformers.__version__,
         "trl": trl_version,
         "python": platform.python_version(),
-        "kernels": kernels if kernels == "hf" else f"{kernels} {_version(kernels.replace('liger', 'liger-kernel'))}",
+        "kernels": _kernels_label(kernels),
     }
+
+
+def _kernels_label(kernels: str) -> str:
+    """What ran the layers, for the reports: the library and its version where it is one."""
+    if kernels == "liger":
+        return f"liger {_version('liger-kernel')}"
+    if kernels == "compiled":
+        return "compiled (trl_tree.compile_layers: torch.compile, Inductor, dynamic shapes)"
+    return kernels
 
 
 def _version(dist: str) -> str:

@@ -95,6 +95,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
                          "activation_peak_gib": round(act, 3)})
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
+        except Exception as e:  # one path failing (e.g. TRL's packer under compiled layers) must not lose the rest
+            rows.append({"path": name, "error": f"{type(e).__name__}: {e}"[:500]})
         if profile_tables is not None and name in ("trl_padded", "tree_packed") and "ms" in rows[-1]:
             prof = profile_step(fn)
             rows[-1]["gpu_ms_by_kind"] = gpu_ms_by_kind(prof)
@@ -168,9 +170,10 @@ def markdown(payload: dict) -> str:
                 f"{tp.get('fraction_of_flop_limit', 0):.2f} | {rec_cell} | {split_cell} | {trie_cell} | {dfs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
-    lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(
-        f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
-        for r in res if r["workload"] == "W5" and r.get("tree_over_padding_free"))]
+    w5 = [f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
+          for r in res if r["workload"] == "W5" and r.get("tree_over_padding_free")]
+    if w5:
+        lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(w5)]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
 from ..model_parts import model_parts
@@ -48,6 +49,10 @@ class TreeTrainerMixin:
         if getattr(self, "_is_vlm", False):
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
+        if args.tree_compile_layers:
+            for model in (self.model, getattr(self, "ref_model", None)):
+                if model is not None:
+                    compile_layers(self.accelerator.unwrap_model(model))
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(
                 f"{name}: the MoE load-balancing loss (router_aux_loss_coef != 0) is not computed over the tree; set "
