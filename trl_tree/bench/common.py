@@ -144,6 +144,26 @@ def padded_step(model, seqs, weights: torch.Tensor, score_from: int, n_terms: in
     return step
 
 
+def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """TRL's padded step and the packed and depth-first tree steps on ``seqs`` (PyTorch's
+    FlashAttention), all with the loss ``-Σ adv_i·logp / n_terms`` over the tokens from
+    ``score_from`` on: the three paths the host-overhead and compiled-layer comparisons time."""
+    from .. import PrefixForest, tree_backward
+
+    forest = PrefixForest.from_sequences(seqs)
+    n_terms = sum(len(s) - score_from for s in seqs)
+
+    def token_loss(lp, seq_idx, pos):
+        return -lp * advantages[seq_idx] / n_terms
+
+    def tree(mode):
+        return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash",
+                                     score_from=score_from)
+
+    return {"trl_padded": padded_step(model, seqs, advantages, score_from, n_terms), "packed": tree("packed"),
+            "dfs": tree("dfs")}
+
+
 @dataclass
 class StepCost:
     """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and

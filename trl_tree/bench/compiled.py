@@ -20,9 +20,8 @@ import time
 import numpy as np
 import torch
 
-from .. import PrefixForest, tree_backward
 from ..compile import compile_layers, uncompile_layers
-from .common import bench_model, environment, padded_step, time_cuda
+from .common import bench_model, environment, step_paths, time_cuda
 from .profile import gpu_busy
 from .workloads import suite_workloads
 
@@ -59,18 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in suite_workloads(model.config.vocab_size):
         if w.name not in args.workloads.split(","):
             continue
-        seqs, P = w.sequences, w.score_from
-        forest = PrefixForest.from_sequences(seqs)
-        adv = torch.from_numpy(np.random.default_rng(0).standard_normal(len(seqs))).float().cuda()
-        n_terms = sum(len(s) - P for s in seqs)
-
-        def token_loss(lp, seq_idx, pos):
-            return -lp * adv[seq_idx] / n_terms
-
-        def tree(mode):
-            return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P)
-
-        steps = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "packed": tree("packed"), "dfs": tree("dfs")}
+        advantages = torch.from_numpy(np.random.default_rng(0).standard_normal(len(w.sequences))).float().cuda()
+        steps = step_paths(model, w.sequences, w.score_from, advantages)
         packed_grads = {}
         for layers in ("eager", "compiled"):
             (compile_layers if layers == "compiled" else uncompile_layers)(model)

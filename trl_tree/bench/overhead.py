@@ -19,8 +19,7 @@ import time
 import numpy as np
 import torch
 
-from .. import PrefixForest, tree_backward
-from .common import add_kernels_arg, bench_model, padded_step
+from .common import add_kernels_arg, bench_model, step_paths
 from .profile import gpu_busy
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
@@ -61,19 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if w.name not in args.workloads.split(","):
             continue
         seqs, P = w.sequences, w.score_from
-        forest = PrefixForest.from_sequences(seqs)
         adv = torch.ones(len(seqs), device="cuda")
-        n_terms = sum(len(s) - P for s in seqs)
-
-        def token_loss(lp, seq_idx, pos):
-            return -lp * adv[seq_idx] / n_terms
-
-        def tree(mode):
-            return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P)
-
-        paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "packed": tree("packed"), "dfs": tree("dfs")}
+        paths = step_paths(model, seqs, P, adv)
         if trie_packer_available():  # TRL's experimental tree packing: launches against ours
-            paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
+            paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, sum(len(s) - P for s in seqs))
         for name, step in paths.items():
             step()  # warm-up (allocator, Triton autotuning)
             ms = wall(step)
