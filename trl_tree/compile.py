@@ -58,16 +58,17 @@ def compile_layers(model: torch.nn.Module, *, backend: str | None = None, mode: 
 
     ``backend`` (None: :data:`BACKEND`), ``mode`` and ``dynamic`` go to ``nn.Module.compile``
     (never ``fullgraph``: the attention call is a graph break by design). ``mode`` must not
-    capture CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``): the tree's shapes change every
-    step and the attention between the graphs runs eagerly, so the graphs would be re-recorded each
-    time. Compiling again is a no-op for children already compiled; :func:`uncompile_layers`
+    capture CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``): Inductor records one graph per
+    compiled child, shared by all layers, and each replay overwrites the outputs the previous
+    layer's checkpoint still needs (a ``RuntimeError`` on an H200); the tree's shapes also change
+    every step, which would re-record them. Compiling again is a no-op for children already compiled; :func:`uncompile_layers`
     undoes it. The first steps after compiling are slow (Inductor builds its kernels, once per
     child type and kind of call); the later ones reuse them.
     """
     if mode in ("reduce-overhead", "max-autotune"):
         raise ValueError(
-            f"mode={mode!r} records CUDA graphs, which the tree's changing shapes would re-record every step; "
-            "use mode=None, 'default' or 'max-autotune-no-cudagraphs'"
+            f"mode={mode!r} records CUDA graphs: one per compiled child, shared by every layer, whose replays "
+            "overwrite outputs the earlier layers still need; use mode=None, 'default' or 'max-autotune-no-cudagraphs'"
         )
     count = 0
     for layer in decoder_layers(model):
