@@ -128,3 +128,20 @@ def test_compile_uncompile_and_refusals():
     model._no_split_modules = []
     with pytest.raises(ValueError, match="no decoder layer class"):
         decoder_layers(model)
+
+
+def test_compiled_lora_layers_and_the_disabled_adapter():
+    """PEFT: the LoRA-wrapped projections are traced inside the compiled children; the gradients
+    reach only the adapters and match the eager untreed model; disabling the adapter (TRL's PEFT
+    reference model) is seen by the compiled graphs."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(True), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                    init_lora_weights=False))
+    seqs = WORKLOADS["grpo_group"]
+    _check_compiled_tree(model, seqs, "sdpa")
+    assert all("lora_" in name for name in grads_of(model))
+    with torch.no_grad(), model.disable_adapter():
+        tree_ref = tree_logprobs(model, seqs)
+        uncompile_layers(model)
+        assert_logps_close(tree_ref, untreed_logprobs(model, seqs))
