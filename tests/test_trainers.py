@@ -245,6 +245,11 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
         for model in (trainer.model, trainer.ref_model):
             children = [c for layer in tree_compile.decoder_layers(model) for c in layer.children()]
             assert children and all(c._compiled_call_impl is not None for c in children)
+        # tree_mode="off" compiles too: TRL's own step on the same layers, for like-for-like timings
+        _, _, off = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="off", tree_compile_layers=True,
+                        max_steps=1, gradient_accumulation_steps=1)
+        assert all(c._compiled_call_impl is not None for layer in tree_compile.decoder_layers(off.model)
+                   for c in layer.children())
     finally:
         torch._dynamo.reset()
     with pytest.raises(ValueError, match="tree_compile_layers must be True or False"):

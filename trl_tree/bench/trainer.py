@@ -20,7 +20,6 @@ import zlib
 import numpy as np
 import torch
 
-from ..compile import compile_layers
 from .common import add_grpo_shape_args, add_kernels_arg, dump, environment
 
 
@@ -72,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-        if args.kernels == "compiled":  # stock and tree alike (tree_compile_layers would skip tree_mode="off")
-            compile_layers(model)
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
-            use_liger_kernel=args.kernels == "liger", bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
         trainer = TreeGRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),

@@ -44,15 +44,15 @@ class TreeTrainerMixin:
         self._tree_prepare_seconds = 0.0
         args = self.args
         name = type(self).__name__
+        if args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
+            for model in (self.model, getattr(self, "ref_model", None)):
+                if model is not None:
+                    compile_layers(self.accelerator.unwrap_model(model))
         if args.tree_mode == "off":
             return
         if getattr(self, "_is_vlm", False):
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
-        if args.tree_compile_layers:
-            for model in (self.model, getattr(self, "ref_model", None)):
-                if model is not None:
-                    compile_layers(self.accelerator.unwrap_model(model))
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(
                 f"{name}: the MoE load-balancing loss (router_aux_loss_coef != 0) is not computed over the tree; set "
