@@ -61,9 +61,9 @@ def compile_layers(model: torch.nn.Module, *, backend: str | None = None, mode: 
     capture CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``): Inductor records one graph per
     compiled child, shared by all layers, and each replay overwrites the outputs the previous
     layer's checkpoint still needs (a ``RuntimeError`` on an H200); the tree's shapes also change
-    every step, which would re-record them. Compiling again is a no-op for children already compiled; :func:`uncompile_layers`
-    undoes it. The first steps after compiling are slow (Inductor builds its kernels, once per
-    child type and kind of call); the later ones reuse them.
+    every step, which would re-record them. Compiling again is a no-op for children already
+    compiled; :func:`uncompile_layers` undoes it. The first steps after compiling are slow
+    (Inductor builds its kernels, once per child type and kind of call); the later ones reuse them.
     """
     if mode in ("reduce-overhead", "max-autotune"):
         raise ValueError(

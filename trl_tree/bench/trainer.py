@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
-            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
+            logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
         trainer = TreeGRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),

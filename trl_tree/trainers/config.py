@@ -68,10 +68,11 @@ class TreeArguments:
     )
     tree_compile_layers: bool = field(
         default=False,
-        metadata={"help": "torch.compile every decoder layer's attention module, MLP and norms (trl_tree.compile_layers; "
-                  "the tree attention stays eager between the graphs; with tree_mode='off', TRL's own step on compiled layers). Pays where the GPU is the bottleneck: 7B "
-                  "packed steps 8-9% faster on an H200, the 1.5B Trainer step 13%; little or nothing on small "
-                  "models whose tree steps wait on the host. The first steps compile (10-15 s)."},
+        metadata={"help": "torch.compile every decoder layer's attention module, MLP and norms "
+                  "(trl_tree.compile_layers; the tree attention stays eager between the graphs; with tree_mode='off', "
+                  "TRL's own step on compiled layers). Pays where the GPU is the bottleneck: 7B packed steps 8-9% "
+                  "faster on an H200, the 1.5B Trainer step 13%; little or nothing on small models whose tree "
+                  "steps wait on the host. The first steps compile (10-15 s)."},
     )
 
     def _check_tree_fields(self) -> None:
