@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for mode in args.modes.split(","):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+        with torch.device("cuda"):  # initialised on the GPU: a 7B random init on the CPU takes minutes
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
