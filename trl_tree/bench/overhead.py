@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         if trie_packer_available():  # TRL's experimental tree packing: launches against ours
             paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, sum(len(s) - P for s in seqs))
         for name, step in paths.items():
-            step()  # warm-up (allocator, Triton autotuning)
+            try:
+                step()  # warm-up (allocator, Triton autotuning, compiling)
+            except Exception as e:  # e.g. TRL's packer under compiled layers: say so, time the rest
+                report.append(f"{args.size} {args.kernels} {w.name} {name}: failed: {type(e).__name__}: {e}"[:500])
+                print(report[-1], flush=True)
+                model.zero_grad(set_to_none=True)
+                continue
             ms = wall(step)
             busy, launches = gpu_busy(step)
             line = (f"{args.size} {args.kernels} {w.name} {name}: wall {ms:.1f} ms, GPU busy {busy:.1f} ms ({busy / ms:.0%}), "
