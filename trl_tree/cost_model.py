@@ -127,9 +127,9 @@ def estimate_bytes(config, tokens: int, gradient_checkpointing: bool, stack_slot
 def choose_mode(forest: PrefixForest, config, memory_budget: int, gradient_checkpointing: bool,
                 keep_attention: bool = False) -> ModeChoice:
     """Packed if its activations fit ``memory_budget`` bytes, else dfs with the largest fitting chunk
-    (``keep_attention``: packed keeps its attention outputs for the recompute, ``attention/kept.py``)."""
-    packed = estimate_bytes(config, forest.num_unique_tokens, gradient_checkpointing,
-                            keep_attention=keep_attention and gradient_checkpointing)
+    (``keep_attention``: packed keeps its attention outputs for the recompute, ``attention/kept.py``;
+    counted only under gradient checkpointing, where there is a recompute)."""
+    packed = estimate_bytes(config, forest.num_unique_tokens, gradient_checkpointing, keep_attention=keep_attention)
     if packed <= memory_budget:
         return ModeChoice("packed", None, packed)
     best = None

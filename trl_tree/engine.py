@@ -238,9 +238,8 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
     budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
         return "packed", chunk_size
-    checkpointing = _checkpointing(parts)
-    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing,
-                         keep_attention=_wants_kept_attention(keep_attention) and checkpointing)
+    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, _checkpointing(parts),
+                         keep_attention=_wants_kept_attention(keep_attention))
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 

@@ -19,5 +19,5 @@ class TreeGRPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeGRPOConfig, model, "GRPO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self._check_tree_support()
+        self._setup_tree()
 

@@ -38,16 +38,21 @@ class TreeTrainerMixin:
     """Mixed in before a TRL online trainer (``class TreeGRPOTrainer(TreeTrainerMixin, GRPOTrainer)``)."""
 
     # ------------------------------------------------------------------ construction
-    def _check_tree_support(self) -> None:
-        """Refuse, at construction, what the tree cannot compute exactly — never a wrong number later."""
+    def _setup_tree(self) -> None:
+        """Called at the end of the trainers' ``__init__``: refuse what the tree cannot compute,
+        compile the layers where asked, start the step timers."""
         self._tree_step_seconds = 0.0
         self._tree_prepare_seconds = 0.0
-        args = self.args
-        name = type(self).__name__
-        if args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
+        self._check_tree_support()
+        if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
                     compile_layers(self.accelerator.unwrap_model(model))
+
+    def _check_tree_support(self) -> None:
+        """Refuse, at construction, what the tree cannot compute exactly — never a wrong number later."""
+        args = self.args
+        name = type(self).__name__
         if args.tree_mode == "off":
             return
         if getattr(self, "_is_vlm", False):

@@ -17,4 +17,4 @@ class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
     def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self._check_tree_support()
+        self._setup_tree()
