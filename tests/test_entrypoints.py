@@ -38,7 +38,7 @@ def test_example_runs(argv, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead", "trie_packer",
-                                    "compiled"])
+                                    "compiled", "graphs"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
 

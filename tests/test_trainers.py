@@ -254,3 +254,16 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
         torch._dynamo.reset()
     with pytest.raises(ValueError, match="tree_compile_layers must be True or False"):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_compile_layers="yes")
+
+
+def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch):
+    """``tree_cuda_graphs=True``: with num_iterations = 2 every micro-batch's layout comes back, so its
+    second pass replays the captured graphs (the CPU stand-in of ``trl_tree.graphs``); the update is
+    still TRL's (float64), gradient accumulation included."""
+    from trl_tree import graphs
+
+    monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
+    trainer = compare("grpo", checkpoint, "packed", tree_fields={"tree_cuda_graphs": True})
+    assert graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)].captures > 0
+    with pytest.raises(ValueError, match="tree_cuda_graphs must be True or False"):
+        TreeGRPOConfig(output_dir="x", use_cpu=True, tree_cuda_graphs="yes")

@@ -185,10 +185,11 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
 
 
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
-                         tokens: torch.Tensor | None = None, keep_attention: bool | None = None) -> torch.Tensor:
+                         tokens: torch.Tensor | None = None, keep_attention: bool | None = None,
+                         meta: TreeAttentionMetadata | None = None) -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward
     (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
-    see :func:`keeps_attention`)."""
+    see :func:`keeps_attention`; ``meta``: the forest's metadata if already built)."""
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
     install(parts.causal_lm.config._attn_implementation)
     if tokens is None:
@@ -196,11 +197,33 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     length = dense_row_length(forest)
     if length is not None:
         return _dense_hidden_states(parts, tokens, length)
-    meta = TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
-                                             dense=dense_blocks(parts, backend))
+    if meta is None:
+        meta = tree_metadata(parts, forest, backend)
     if keeps_attention(parts, backend, keep_attention):
         meta.kept = KeptAttention(parts.num_layers)
     return tree_forward(parts, tokens.unsqueeze(0), meta)
+
+
+def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str) -> TreeAttentionMetadata:
+    """The forest's packed-layout metadata on the model's device, with the engine's layout choices."""
+    return TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
+                                             dense=dense_blocks(parts, backend))
+
+
+def _graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str,
+                    temperature: float, return_entropy: bool, keep_attention: bool | None):
+    """Per-prediction scores from replayed CUDA graphs (``trl_tree.graphs``), or None where this call
+    runs eagerly: a dense unshared batch, or a layout not captured (yet). Returns the metadata it
+    built too, so the eager call does not upload it again."""
+    from .graphs import graphed_scores
+
+    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
+    if dense_row_length(forest) is not None:
+        return None, None
+    meta = tree_metadata(parts, forest, backend)
+    scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, meta,
+                            keeps_attention(parts, backend, keep_attention), _checkpointing(parts))
+    return scores, meta
 
 
 def _score(
@@ -212,15 +235,33 @@ def _score(
     return_entropy: bool,
     extra: tuple[np.ndarray, ...] = (),
     keep_attention: bool | None = None,
+    cuda_graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order), and the
     ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
-    (``_device.upload``): an upload after it would make the host wait for the whole forward."""
+    (``_device.upload``): an upload after it would make the host wait for the whole forward.
+    ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
+    (``trl_tree.graphs``)."""
+    meta = None
+    if cuda_graphs and torch.is_grad_enabled():
+        scores, meta = _graphed_scores(parts, forest, plan, attn_backend, temperature, return_entropy,
+                                       keep_attention)
+        if scores is not None:
+            gather, *extra_t = upload([plan.gather, *extra], torch.int64, parts.device)
+            logp, ent = scores
+            return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
-    hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention)
+    hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
     logp, ent = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
+
+
+def _check_cuda_graphs(cuda_graphs: bool, mode: str) -> None:
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and mode == "dfs":
+        raise ValueError("cuda_graphs=True replays packed calls; the depth-first walk (mode='dfs') runs eagerly")
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
@@ -278,6 +319,7 @@ def tree_logprobs(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
+    cuda_graphs: bool = False,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -295,11 +337,14 @@ def tree_logprobs(
     the largest chunk that fits (``trl_tree.cost_model``). ``keep_attention``: with a graph under
     gradient checkpointing, keep the packed attention's outputs for the recompute (faster, one
     hidden-sized tensor per token and layer more; None: ``engine.KEEP_ATTENTION``, on by default).
+    ``cuda_graphs=True``: a packed call that builds a graph (grad enabled) replays CUDA graphs of its
+    forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
     _check_keep_attention(keep_attention)
+    _check_cuda_graphs(cuda_graphs, mode)
     parts, forest = prepare(model, seqs)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
@@ -312,7 +357,7 @@ def tree_logprobs(
         ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
     else:
         logp, ent, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy,
-                              keep_attention=keep_attention)
+                              keep_attention=keep_attention, cuda_graphs=cuda_graphs)
     counts = plan.counts.tolist()
     logps = list(logp.split(counts))
     if return_entropy:
@@ -332,6 +377,7 @@ def tree_backward(
     keep_graph: bool | None = None,
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
+    cuda_graphs: bool = False,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -349,12 +395,14 @@ def tree_backward(
     memory of the whole path); ``None`` (default) keeps it when the model uses gradient
     checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
     ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``; ``keep_attention``
-    as there (packed mode under gradient checkpointing).
+    as there (packed mode under gradient checkpointing); ``cuda_graphs`` as there (packed mode; the
+    loss stays eager, only the model's forward and backward are replayed).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
     _check_keep_attention(keep_attention)
+    _check_cuda_graphs(cuda_graphs, mode)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
     parts, forest = prepare(model, seqs)
@@ -369,7 +417,8 @@ def tree_backward(
         return walk.backward(token_loss, keep_graph)
     with torch.enable_grad():
         logp, _, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, False,
-                                         extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention)
+                                         extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
+                                         cuda_graphs=cuda_graphs)
         terms = token_loss(logp, seq_idx, pos)
         check_loss_terms(terms, logp)
         loss = terms.sum()

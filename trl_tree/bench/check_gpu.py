@@ -44,13 +44,14 @@ def _errors(logps, grads, ref_logps, ref_grads) -> dict[str, float]:
     return {"logp_max_abs": float(diffs.max()), "logp_mean_abs": float(diffs.mean()), "grad_rel": (num / den) ** 0.5}
 
 
-def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed=False):
+def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str | bool = False, graphs=False):
     model.zero_grad(set_to_none=True)
     if checkpointed:  # HF gradient checkpointing, as TRL trains: the kept attention outputs are used
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        reentrant = checkpointed == "reentrant"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.train()
         try:
-            return _run(model, seqs, backend, mode, root_split)
+            return _run(model, seqs, backend, mode, root_split, graphs=graphs)
         finally:
             model.gradient_checkpointing_disable()
             model.eval()
@@ -60,24 +61,36 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed=Fals
         return [lp.detach() for lp in logps], _grads(model)
     kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
     with engine.layout_choices(root_split=root_split):
+        if graphs:  # eager at the first call, captured at the second, checked on a replay
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=True)
+            grads = _grads(model)
+            logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=True)  # the same graphs, replayed
+            return [lp.detach() for lp in logps], grads
         with torch.no_grad():
             logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
         tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw)
     return [lp.detach() for lp in logps], _grads(model)
 
 
-def _paths() -> list[tuple[str, str, bool | None, bool, str]]:
-    """(backend, mode, root split, checkpointed, label): every backend packed and dfs; the packed
-    FlashAttention path whole and split at the roots (``attention/root_split.py``), and split under
-    gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``)."""
+def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
+    """(backend, mode, root split, checkpointed, graphs, label): every backend packed and dfs; the
+    packed FlashAttention path whole and split at the roots (``attention/root_split.py``), split under
+    gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
+    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds)."""
     paths = []
     for b in BACKENDS:
         if b in PARTIAL_KERNELS:
-            paths += [(b, "packed", False, False, f"packed/{b}"), (b, "packed", True, False, f"packed/{b}+split"),
-                      (b, "packed", True, True, f"packed/{b}+split+ckpt")]
+            for graphs in (False, True):
+                tag = "+graphs" if graphs else ""
+                paths += [(b, "packed", False, False, graphs, f"packed/{b}{tag}"),
+                          (b, "packed", True, False, graphs, f"packed/{b}+split{tag}"),
+                          (b, "packed", True, True, graphs, f"packed/{b}+split+ckpt{tag}")]
+            paths.append((b, "packed", True, "reentrant", True, f"packed/{b}+split+ckpt-reentrant+graphs"))
         else:
-            paths.append((b, "packed", None, False, f"packed/{b}"))
-    return paths + [(b, "dfs", None, False, f"dfs/{b}") for b in DFS_BACKENDS]
+            paths.append((b, "packed", None, False, False, f"packed/{b}"))
+    return paths + [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,26 +125,35 @@ def main(argv: list[str] | None = None) -> int:
         ref_logps, ref_grads = _run(model32, seqs, None)
         base = _errors(*_run(model16, seqs, None), ref_logps, ref_grads)
         results.append({"workload": name, "path": "untreed", "dtype": "bf16", **base})
-        for backend, mode, split, checkpointed, label in _paths():
+        for backend, mode, split, checkpointed, graphs, label in _paths():
             for dtype, model in (("bf16", model16), ("fp32", model32)):
                 ok, why = backend_available(backend, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
                 if not ok:
                     results.append({"workload": name, "path": label, "dtype": dtype, "skipped": why})
                     continue
-                errs = _errors(*_run(model, seqs, backend, mode, split, checkpointed), ref_logps, ref_grads)
+                if graphs and device.type != "cuda":
+                    results.append({"workload": name, "path": label, "dtype": dtype, "skipped": "no CUDA graphs"})
+                    continue
+                try:
+                    errs = _errors(*_run(model, seqs, backend, mode, split, checkpointed, graphs), ref_logps, ref_grads)
+                except Exception as e:  # noqa: BLE001 - a path that cannot run fails the check, the rest still run
+                    ok_all = False
+                    results.append({"workload": name, "path": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:400]})
+                    continue
                 if dtype == "bf16":
                     passed = all(errs[k] <= RULE * base[k] for k in ("logp_mean_abs", "logp_max_abs", "grad_rel"))
                 else:
                     passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
                 ok_all &= passed
                 results.append({"workload": name, "path": label, "dtype": dtype, **errs, "passed": passed})
-    print(f"{'workload':22} {'path':30} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
+    print(f"{'workload':22} {'path':40} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
     for r in results:
-        if "skipped" in r:
-            print(f"{r['workload']:22} {r['path']:30} {r['dtype']:5} skipped: {r['skipped']}")
+        if "skipped" in r or "error" in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAIL: {r['error']}"
+            print(f"{r['workload']:22} {r['path']:40} {r['dtype']:5} {why}")
             continue
         verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
-        print(f"{r['workload']:22} {r['path']:30} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
+        print(f"{r['workload']:22} {r['path']:40} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
     dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
     return 0 if ok_all else 1
 

@@ -147,7 +147,8 @@ def padded_step(model, seqs, weights: torch.Tensor, score_from: int, n_terms: in
 def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[str, Callable[[], None]]:
     """TRL's padded step and the packed and depth-first tree steps on ``seqs`` (PyTorch's
     FlashAttention), all with the loss ``-Σ adv_i·logp / n_terms`` over the tokens from
-    ``score_from`` on: the three paths the host-overhead and compiled-layer comparisons time."""
+    ``score_from`` on: the paths the host-overhead, compiled-layer and CUDA-graph comparisons time
+    (``packed_graphs``: the packed step replaying CUDA graphs from its second call on)."""
     from .. import PrefixForest, tree_backward
 
     forest = PrefixForest.from_sequences(seqs)
@@ -156,12 +157,12 @@ def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[s
     def token_loss(lp, seq_idx, pos):
         return -lp * advantages[seq_idx] / n_terms
 
-    def tree(mode):
+    def tree(mode, cuda_graphs=False):
         return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash",
-                                     score_from=score_from)
+                                     score_from=score_from, cuda_graphs=cuda_graphs)
 
     return {"trl_padded": padded_step(model, seqs, advantages, score_from, n_terms), "packed": tree("packed"),
-            "dfs": tree("dfs")}
+            "dfs": tree("dfs"), "packed_graphs": tree("packed", cuda_graphs=True)}
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     python -m trl_tree.bench.overhead [--size 0.5b] [--workloads W1,W3] [--out overhead.txt]
 
-For each path (TRL padded, packed tree, dfs walk, TRL's trie packer where TRL has it) on the suite's workloads: the step's wall time,
+For each path (TRL padded, packed tree, packed tree replaying CUDA graphs, dfs walk, TRL's trie
+packer where TRL has it) on the suite's workloads: the step's wall time,
 the GPU's busy time (sum of kernel times from the profiler) and the number of kernel launches,
 then a cProfile table of the host's Python time by function. On small models the tree paths are
 bound by launches and Python rather than by FLOPs; this says by how much, and where.
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, sum(len(s) - P for s in seqs))
         for name, step in paths.items():
             try:
-                step()  # warm-up (allocator, Triton autotuning, compiling)
+                for _ in range(2):  # warm-up (allocator, Triton autotuning, compiling; the graphs capture at the 2nd)
+                    step()
             except Exception as e:  # e.g. TRL's packer under compiled layers: say so, time the rest
                 report.append(f"{args.size} {args.kernels} {w.name} {name}: failed: {type(e).__name__}: {e}"[:500])
                 print(report[-1], flush=True)

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--modes", default="off,packed,dfs")
+    parser.add_argument("--modes", default="off,packed,dfs",
+                        help="tree_mode values; a mode+graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True")
     parser.add_argument("--out", default=None)
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.device("cuda"):  # initialised on the GPU: a 7B random init on the CPU takes minutes
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         cfg = TreeGRPOConfig(
-            output_dir=tempfile.mkdtemp(), tree_mode=mode, max_steps=args.steps, per_device_train_batch_size=args.group,
+            output_dir=tempfile.mkdtemp(), tree_mode=mode.removesuffix("+graphs"),
+            tree_cuda_graphs=mode.endswith("+graphs"), max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,

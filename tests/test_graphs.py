@@ -1,0 +1,223 @@
+"""CUDA-graph replay of packed training calls (``trl_tree.graphs``), on the CPU.
+
+CPU has no CUDA graphs, so ``graphs.EagerReplay`` stands in for one: a "replay" runs the captured
+function again and leaves its outputs in the first run's tensors, as a graph leaves them in its
+static outputs. Everything else — signatures, static buffers refreshed per call, the autograd
+function, gradient buffers handed to autograd, the order check, the refusals — is the code that
+runs on the GPU (``python -m trl_tree.bench.check_gpu`` checks real captures there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
+
+from trl_tree import PrefixForest, graphs, tree_backward, tree_logprobs
+from trl_tree.reference import untreed_backward
+from trl_tree.tiny import grpo_group, random_tree, tiny_model
+
+VOCAB = 96
+GROUP = grpo_group(12, 6, 4, VOCAB, seed=1)
+SAME_LAYOUT = grpo_group(12, 6, 4, VOCAB, seed=2)  # other tokens, the same lengths and sharing
+TREE = random_tree(8, VOCAB, max_len=20, seed=4)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
+
+
+def _model(checkpoint: str | None = "non-reentrant") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", vocab_size=VOCAB)
+    if checkpoint is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint == "reentrant"})
+    model.train()
+    return model
+
+
+def _runner(model) -> graphs.GraphRunner:
+    return graphs._RUNNERS[model]
+
+
+def _graphed_backward(model, seqs, loss=weighted_loss, **kw) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    value = tree_backward(model, seqs, loss, cuda_graphs=True, **kw)
+    return value, grads_of(model)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("seqs", [GROUP, TREE], ids=["grpo", "deep_tree"])
+def test_replayed_backward_matches_the_untreed_model(stand_in, checkpoint, seqs):
+    model = _model(checkpoint)
+    model.zero_grad(set_to_none=True)
+    ref_loss = untreed_backward(model, seqs, weighted_loss)
+    ref = grads_of(model)
+    for call in range(3):  # eager, capture, replay
+        loss, grads = _graphed_backward(model, seqs)
+        assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+        assert_grads_close(grads, ref)
+        assert _runner(model).captures == (0 if call == 0 else 1)
+
+
+def test_new_tokens_in_the_same_layout_replay_the_captured_graphs(stand_in):
+    model = _model()
+    for _ in range(2):
+        _graphed_backward(model, GROUP)
+    assert _runner(model).captures == 1
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, SAME_LAYOUT, weighted_loss)
+    ref = grads_of(model)
+    _, grads = _graphed_backward(model, SAME_LAYOUT)
+    assert _runner(model).captures == 1 and len(_runner(model).pairs) == 1
+    assert_grads_close(grads, ref)
+
+
+def test_the_loss_stays_eager(stand_in):
+    """A loss closing over tensors that change every call (advantages) is applied as it is now."""
+    model = _model()
+    for scale in (1.0, 2.0, -3.0):
+        adv = torch.tensor([scale, 0.5, -1.0, 2.0])
+
+        def loss(lp, seq_idx, pos, adv=adv):
+            return -lp * adv[seq_idx]
+
+        model.zero_grad(set_to_none=True)
+        untreed_backward(model, GROUP, loss)
+        ref = grads_of(model)
+        _, grads = _graphed_backward(model, GROUP, loss)
+        assert_grads_close(grads, ref)
+    assert _runner(model).captures == 1
+
+
+def test_replayed_gradients_accumulate_like_autograd(stand_in):
+    """Gradient accumulation over micro-batches, ``zero_grad`` to None or in place, and a ``.grad``
+    that is some other tensor: the same gradients as eager autograd in every case."""
+    model = _model()
+    for _ in range(2):
+        _graphed_backward(model, GROUP)
+    runner = _runner(model)
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, GROUP, weighted_loss)
+    ref_one = grads_of(model)
+    untreed_backward(model, SAME_LAYOUT, weighted_loss)
+    ref_two = grads_of(model)
+    for set_to_none in (True, False, True):
+        model.zero_grad(set_to_none=set_to_none)
+        tree_backward(model, GROUP, weighted_loss, cuda_graphs=True)
+        assert_grads_close(grads_of(model), ref_one)
+        tree_backward(model, SAME_LAYOUT, weighted_loss, cuda_graphs=True)  # accumulates in place
+        assert_grads_close(grads_of(model), ref_two)
+    assert all(p.grad is b for p, b in zip(runner.params, runner.grad_buffers))
+    # a .grad that is not the buffer (set by the user, or by an eager call) is added to
+    model.zero_grad(set_to_none=True)
+    tree_backward(model, GROUP, weighted_loss)  # eager: autograd's own .grad tensors
+    tree_backward(model, SAME_LAYOUT, weighted_loss, cuda_graphs=True)
+    assert_grads_close(grads_of(model), ref_two)
+    assert not any(p.grad is b for p, b in zip(runner.params, runner.grad_buffers))
+    assert runner.captures == 1
+
+
+def test_logprobs_and_entropies_through_the_graph(stand_in):
+    """``tree_logprobs`` with a graph (TRL's training forward): values and the backward of any loss."""
+    model = _model()
+    forest = PrefixForest.from_sequences(TREE)
+    eager_lp, eager_ent = tree_logprobs(model, forest, return_entropy=True)
+    loss = sum((lp * (i + 1)).sum() for i, lp in enumerate(eager_lp))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    ref = grads_of(model)
+    for _ in range(3):
+        lp, ent = tree_logprobs(model, forest, return_entropy=True, cuda_graphs=True)
+        assert_logps_close(lp, eager_lp)
+        assert_logps_close(ent, eager_ent)
+        model.zero_grad(set_to_none=True)
+        sum((x * (i + 1)).sum() for i, x in enumerate(lp)).backward()
+        assert_grads_close(grads_of(model), ref)
+    assert _runner(model).captures == 1
+    # without a graph to build (no_grad: TRL's old/reference log-probs), the call runs eagerly
+    with torch.no_grad():
+        lp = tree_logprobs(model, forest, cuda_graphs=True)
+    assert_logps_close(lp, eager_lp)
+
+
+def test_a_backward_after_a_later_graphed_forward_is_refused(stand_in):
+    """The pool holds the activations of the last replayed forward only: never a wrong gradient."""
+    model = _model()
+    for _ in range(2):
+        tree_logprobs(model, GROUP, cuda_graphs=True)
+    first = tree_logprobs(model, GROUP, cuda_graphs=True)
+    second = tree_logprobs(model, SAME_LAYOUT, cuda_graphs=True)
+    with pytest.raises(RuntimeError, match="ran after a later graphed forward"):
+        torch.cat(first).sum().backward()
+    torch.cat(second).sum().backward()  # the latest one is fine
+
+
+def test_layouts_are_captured_at_their_second_sighting_and_evicted_lru(stand_in, monkeypatch):
+    monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 2)
+    model = _model()
+    layouts = [grpo_group(8 + i, 4, 3, VOCAB, seed=i) for i in range(3)]
+    for seqs in layouts:
+        _graphed_backward(model, seqs)
+    assert _runner(model).captures == 0
+    for seqs in layouts:
+        _graphed_backward(model, seqs)
+    runner = _runner(model)
+    assert runner.captures == 3 and len(runner.pairs) == 2
+    # a dense batch of unshared equal-length rows runs eagerly (the model's own attention, GPU-efficient)
+    unshared = [[i + 1] * 6 for i in range(4)]
+    for _ in range(3):
+        _graphed_backward(model, unshared)
+    assert runner.captures == 3
+
+
+def test_adapter_switches_and_train_mode_are_part_of_the_layout(stand_in):
+    """A graph captured with LoRA adapters on is not replayed with them off (PEFT's disable_adapter,
+    TRL's reference model), nor in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("qwen2", vocab_size=VOCAB), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a non-zero adapter, so on and off give different numbers
+    model.train()
+    for _ in range(2):
+        tree_logprobs(model, GROUP, cuda_graphs=True)
+    runner = graphs._RUNNERS[model.get_base_model()]
+    assert runner.captures == 1
+    with model.disable_adapter():
+        eager_off = tree_logprobs(model, GROUP)
+        graphed_off = tree_logprobs(model, GROUP, cuda_graphs=True)
+    assert_logps_close(graphed_off, eager_off)
+    model.eval()
+    assert_logps_close(tree_logprobs(model, GROUP, cuda_graphs=True), tree_logprobs(model, GROUP))
+    assert runner.captures == 1  # both ran eagerly: first sightings of their own layouts
+
+
+def test_refusals(stand_in, monkeypatch):
+    model = _model()
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        tree_logprobs(model, GROUP, cuda_graphs="yes")
+    with pytest.raises(ValueError, match="mode='dfs'"):
+        tree_backward(model, GROUP, weighted_loss, mode="dfs", cuda_graphs=True)
+
+    class DistributedDataParallel(torch.nn.Module):  # what DDP looks like to the check
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    with pytest.raises(ValueError, match="wrapped in DistributedDataParallel"):
+        tree_logprobs(DistributedDataParallel(model), GROUP, cuda_graphs=True)
+    handle = model.model.norm.weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match="gradient hook"):
+        tree_logprobs(model, GROUP, cuda_graphs=True)
+    handle.remove()
+    monkeypatch.setattr(graphs, "CPU_STAND_IN", None)
+    with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        tree_backward(model, TREE, weighted_loss, cuda_graphs=True)

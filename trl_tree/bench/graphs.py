@@ -1,0 +1,104 @@
+"""The packed step eager against replayed CUDA graphs (``cuda_graphs=True``), in one process.
+
+    python -m trl_tree.bench.graphs [--size 0.5b] [--workloads W1,W2,W3,W4] [--kernels hf|compiled]
+
+For each workload: TRL's padded step (eager, the suite's baseline), the packed tree step eagerly and
+the same step replaying the graphs ``trl_tree.graphs`` captures at its second call — median ms (CUDA
+events), speed-up over TRL and its fraction of the FLOP limit (DESIGN, "Measuring speed"), GPU-busy
+milliseconds and kernel launches (profiler), activation peak, the capturing call's seconds, the
+memory the graphs hold (pool and gradient buffers) and the graphed gradients' difference from the
+eager ones. What it answers: how much of the small models' gap to the limit is the host launching
+kernels (notes §9, §13, §15) — a replay launches the step's kernels with one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from .. import PrefixForest
+from .common import add_kernels_arg, bench_model, environment, step_flops, step_paths, time_cuda
+from .compiled import _relative_difference
+from .profile import gpu_busy
+from .suite import _costs
+from .workloads import suite_workloads
+
+
+def _write(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def run_workload(model, w, iters: int) -> dict:
+    seqs, P = w.sequences, w.score_from
+    forest = PrefixForest.from_sequences(seqs)
+    base_cost, tree_cost = _costs(forest, seqs, P)
+    limit = step_flops(base_cost, model.config, True) / step_flops(tree_cost, model.config, True,
+                                                                   attention_recompute=False)
+    advantages = torch.from_numpy(np.random.default_rng(0).standard_normal(len(seqs))).float().cuda()
+    steps = step_paths(model, seqs, P, advantages)
+    row = {"workload": w.name, "T": forest.num_tokens, "U": forest.num_unique_tokens,
+           "T_over_U": round(forest.num_tokens / forest.num_unique_tokens, 3), "flop_limit": round(limit, 3)}
+    grads = {}
+    for name in ("trl_padded", "packed", "packed_graphs"):
+        step = steps[name]
+        try:
+            model.zero_grad(set_to_none=True)
+            step()  # packed_graphs: the first sighting runs eagerly
+            if name != "trl_padded":
+                grads[name] = _grads(model)
+            reserved = torch.cuda.memory_reserved()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()  # packed_graphs: captures, then replays
+            torch.cuda.synchronize()
+            second = time.perf_counter() - start
+            ms, _, act = time_cuda(step, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
+            busy, kernels = gpu_busy(step)
+            r = {"ms": round(ms, 2), "second_call_s": round(second, 2), "activation_peak_gib": round(act, 3),
+                 "gpu_busy_ms": round(busy, 1), "kernels": kernels}
+            if name == "packed_graphs":
+                r["graph_memory_gib"] = round((torch.cuda.memory_reserved() - reserved) / 2**30, 3)
+                model.zero_grad(set_to_none=True)
+                step()  # a replay
+                r["grad_difference_vs_eager"] = round(_relative_difference(grads["packed"], _grads(model)), 5)
+            if name != "trl_padded":
+                r["speedup"] = round(row["trl_padded"]["ms"] / ms, 3)
+                r["fraction_of_flop_limit"] = round(r["speedup"] / limit, 3)
+        except Exception as e:  # noqa: BLE001 - recorded, the other paths still run
+            r = {"error": f"{type(e).__name__}: {e}"[:500]}
+        model.zero_grad(set_to_none=True)
+        row[name] = r
+        print(w.name, name, r, flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--workloads", default="W1,W2,W3,W4")
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--out", default=None)
+    add_kernels_arg(parser)
+    args = parser.parse_args(argv)
+    model = bench_model(args.size, args.kernels)
+    payload = {"environment": environment(args.kernels), "size": args.size, "rows": []}
+    for w in suite_workloads(model.config.vocab_size):
+        if w.name in args.workloads.split(","):
+            payload["rows"].append(run_workload(model, w, args.iters))
+            _write(args.out, payload)  # partial results survive a timeout
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

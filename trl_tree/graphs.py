@@ -1,0 +1,371 @@
+"""CUDA-graph replay of the packed training call: the forward to the log-probs, and its backward.
+
+Why: on small models the packed step waits on the host, not the GPU. At 0.5B a tree step launches
+~5,000 kernels over only a few thousand unique tokens, and on the H200 machines each launch costs
+~35-50 µs of Python, dispatcher and autograd time, so the GPU idles 40-60% of the step (notes §9,
+§13, §15). A CUDA graph replays the same kernels with one launch. Measured on an H200 (bf16, HF
+checkpointing, notes §16): 0.5B GRPO group 179 → 146 ms, agentic tree 269 → 107 ms; 1.5B agentic
+tree 293 → 212 ms — the GPU's own time, the bound of what any host-side work could reach.
+
+What is captured, per *layout signature* (every Python-level number the forward reads: token,
+node, key and prediction counts, the kernels' maximum lengths, the root split's shapes, the
+temperature, the model's training/adapter state): two graphs sharing one memory pool.
+
+- forward: the packed model call and TRL's fused head, from static input buffers (tokens, tree
+  metadata, prediction indices) to static log-probs (and entropies);
+- backward: from static output-gradient buffers back into one gradient buffer per trainable
+  parameter (the parameters' ``.grad`` are pointed at those buffers while it is captured).
+
+The loss is *not* captured. An autograd function replays the forward, hands back copies of the
+log-probs, and on backward copies the incoming gradient in and replays the backward, which adds
+into the gradient buffers; those become the parameters' ``.grad`` (accumulating in place, as
+eager autograd does; ``GraphRunner.replay_backward``). So a graph never freezes user code or the
+tensors a loss closes over (advantages, old log-probs): any loss, any number of accumulated
+micro-batches, exactly the numbers of the eager call.
+
+When: a signature is captured the second time it is seen; the first call runs eagerly. A
+training run whose micro-batches never repeat a layout (GRPO with free-length completions) pays
+only that bookkeeping and never captures; layouts that repeat — fixed-length rollouts, an agent
+whose turns have fixed shapes, the benchmarks — replay. Padding layouts to buckets so that they
+repeat more often is not done yet.
+
+Rules a replay keeps (each checked, never a wrong number): the forward replayed last must be the
+one whose backward runs (the pool holds one step's activations), so the backward of an earlier
+graphed call after a later one's forward raises; models wrapped for DDP/FSDP and parameters with
+gradient hooks are refused (their hooks would run only while capturing). Cost in memory: the
+pool (one step's activations and the checkpoint recompute's temporaries, as in the eager step,
+kept between steps) plus one gradient-sized buffer per trainable parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ._device import upload
+from .attention.dispatch import install
+from .attention.kept import KeptAttention
+from .attention.metadata import TreeAttentionMetadata
+from .forest import PrefixForest, ScoringPlan
+from .lm_head import score_predictions
+from .model_parts import ModelParts
+
+#: graph pairs kept per model (least recently used dropped first); all share one memory pool
+GRAPH_CACHE_SIZE = 4
+#: capture a layout at this sighting (the first ones run eagerly): a layout seen once is not worth
+#: a capture, which costs a warm-up step plus the capture itself
+CAPTURE_AT_SIGHTING = 2
+#: eager runs on a side stream before a capture (PyTorch's rule: lazy initialisations — cuBLAS
+#: workspaces, cuDNN plans, Triton autotuning — must happen outside the graph)
+WARMUP_RUNS = 2
+#: backends whose kernels a graph can hold (flex compiles its block mask on first use)
+GRAPH_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
+
+_WRAPPERS_REFUSED = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+class _CudaGraph:
+    """One ``torch.cuda.CUDAGraph`` in a shared pool: ``capture(fn)`` runs ``fn`` under capture."""
+
+    def __init__(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], object], runs_now: bool = True) -> object:
+        with torch.cuda.graph(self.graph, pool=self.pool):  # records fn's kernels without running them
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerReplay:
+    """Stand-in for a CUDA graph where there is none (CPU tests): ``replay`` runs the captured
+    function again, and ``refresh`` copies that run's outputs into the first run's tensors, which
+    is what a graph's replay leaves in its static outputs. Everything around the graph — static
+    buffers, signatures, the autograd function, the gradient buffers — is the code that runs on the
+    GPU."""
+
+    def __init__(self, pool=None) -> None:
+        self.fn: Callable[[], object] | None = None
+
+    def capture(self, fn: Callable[[], object], runs_now: bool = True) -> object:
+        """Run ``fn`` now only where its results are needed as the static outputs (``runs_now``):
+        a CUDA capture runs nothing, and the backward writes into buffers that may hold gradients."""
+        self.fn = fn
+        return fn() if runs_now else None
+
+    def replay(self) -> None:
+        with torch.enable_grad():  # an autograd function's forward runs without; the rerun must build a graph
+            self.fn()
+
+
+#: what builds a graph on a device without CUDA graphs; tests set ``EagerReplay``
+CPU_STAND_IN: type | None = None
+
+
+def _new_graph(device: torch.device, pool):
+    if device.type == "cuda":
+        return _CudaGraph(pool)
+    if CPU_STAND_IN is not None:
+        return CPU_STAND_IN(pool)
+    raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device.type}")
+
+
+def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Parameter, ...]) -> None:
+    """Refuse what a replay would get wrong (hooks that run only while capturing) or cannot run."""
+    if parts.device.type != "cuda" and CPU_STAND_IN is None:
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {parts.device.type}")
+    for module in (parts.outer, *parts.outer.modules()):
+        name = type(module).__name__
+        if name in _WRAPPERS_REFUSED:
+            raise ValueError(
+                f"cuda_graphs=True cannot run a model wrapped in {name}: its gradient hooks and collectives would "
+                "run only while capturing. Use cuda_graphs=False with several processes")
+    if backend not in GRAPH_BACKENDS:
+        raise ValueError(f"cuda_graphs=True runs the {', '.join(GRAPH_BACKENDS)} backends, not {backend!r}")
+    for p in params:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise ValueError("cuda_graphs=True: a trainable parameter has a gradient hook, which a replayed "
+                             "backward would skip; remove it or use cuda_graphs=False")
+
+
+def _layout_signature(value, path: str = "") -> tuple:
+    """Every Python-level number of the metadata (tensors by shape and dtype: their values are data
+    the replay copies in). Anything else in the metadata that a capture would freeze is refused."""
+    if isinstance(value, torch.Tensor):
+        return (path, "tensor", tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (path, value)
+    if isinstance(value, tuple):
+        return (path, tuple(_layout_signature(v, f"{path}[{i}]") for i, v in enumerate(value)))
+    if dataclasses.is_dataclass(value):
+        return (path, type(value).__name__,
+                tuple(_layout_signature(getattr(value, f.name), f"{path}.{f.name}") for f in _data_fields(value)))
+    raise TypeError(f"cuda_graphs: cannot tell the layout of {path} ({type(value).__name__})")
+
+
+def _data_fields(value) -> list:
+    """The metadata's fields that describe the layout (not its call counter, caches or kept outputs)."""
+    return [f for f in dataclasses.fields(value) if f.name not in ("calls", "_cache", "kept")]
+
+
+def _copy_layout(static, new) -> None:
+    """Copy every tensor of ``new`` into the same place of ``static`` (same signature)."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(new)
+    elif isinstance(static, tuple):
+        for s, n in zip(static, new):
+            _copy_layout(s, n)
+    elif dataclasses.is_dataclass(static):
+        for f in _data_fields(static):
+            _copy_layout(getattr(static, f.name), getattr(new, f.name))
+
+
+def _module_state(model: torch.nn.Module) -> tuple:
+    """Python-side switches a forward reads that a capture would freeze: train/eval, and PEFT's
+    adapter switches (``disable_adapter()``, the active adapter)."""
+    return tuple(
+        (m.training, getattr(m, "_disable_adapters", None), str(getattr(m, "_active_adapter", None)))
+        for m in model.modules()
+    )
+
+
+@dataclass(eq=False)
+class _GraphPair:
+    """The two graphs of one layout and their static tensors."""
+
+    tokens: torch.Tensor
+    pred_src: torch.Tensor
+    targets: torch.Tensor
+    meta: TreeAttentionMetadata
+    outputs: tuple = ()  # static (log-probs[, entropies]) the forward graph writes
+    live: tuple = ()  # the outputs of the latest forward run (the graph's, or the stand-in's)
+    grad_outputs: tuple = ()  # static gradients of the outputs the backward graph reads
+    forward: object = None
+    backward: object = None
+    generation: int = -1  # the runner's replay count at this pair's last forward
+
+
+@dataclass(eq=False)
+class GraphRunner:
+    """The captured graph pairs of one model, their shared pool and gradient buffers."""
+
+    params: tuple[torch.nn.Parameter, ...]
+    grad_buffers: tuple[torch.Tensor, ...] = ()
+    pairs: OrderedDict = field(default_factory=OrderedDict)
+    sightings: Counter = field(default_factory=Counter)
+    pool: object = None
+    generation: int = 0  # forward replays so far (any pair): the pool holds the latest one's activations
+    captures: int = 0
+
+    def replay_forward(self, pair: _GraphPair) -> int:
+        self.generation += 1
+        pair.forward.replay()
+        pair.generation = self.generation
+        return self.generation
+
+    def replay_backward(self, pair: _GraphPair, generation: int, grads: tuple) -> None:
+        """Replay the backward graph, which adds this call's parameter gradients into the buffers.
+
+        The buffers *are* the parameters' ``.grad`` wherever autograd would have created one: a
+        parameter without a gradient gets its (zeroed) buffer, one whose ``.grad`` is already its
+        buffer accumulates in place — no copy, as eager autograd — and a ``.grad`` that is some other
+        tensor gets the buffer added to it. So ``zero_grad`` (to None or in place), gradient
+        accumulation and clipping behave as without graphs. One thing differs: after
+        ``zero_grad(set_to_none=True)`` the next step's ``.grad`` reuses the same storage."""
+        if pair.generation != generation or self.generation != generation:
+            raise RuntimeError(
+                "cuda_graphs: the backward of a graphed tree call ran after a later graphed forward, which "
+                "overwrote the activations it needs; run each call's backward before the next call, or use "
+                "cuda_graphs=False")
+        for static, g in zip(pair.grad_outputs, grads):
+            if g is None:
+                static.zero_()
+            else:
+                static.copy_(g)
+        owned = [p.grad is b for p, b in zip(self.params, self.grad_buffers)]
+        if not all(owned):
+            torch._foreach_zero_([b for b, o in zip(self.grad_buffers, owned) if not o])
+        pair.backward.replay()
+        foreign = []
+        for p, b, o in zip(self.params, self.grad_buffers, owned):
+            if o:
+                continue
+            if p.grad is None:
+                p.grad = b
+            else:
+                foreign.append((p.grad, b))
+        if foreign:
+            torch._foreach_add_([g for g, _ in foreign], [b for _, b in foreign])
+
+
+class _ReplayedScores(torch.autograd.Function):
+    """Log-probs (and entropies) from a replayed forward graph; backward replays the backward graph,
+    which accumulates into the parameters' gradients itself (see ``GraphRunner.replay_backward``)."""
+
+    @staticmethod
+    def forward(ctx, runner: GraphRunner, pair: _GraphPair, *params):
+        ctx.runner, ctx.pair = runner, pair
+        ctx.generation = runner.replay_forward(pair)
+        return tuple(o.detach().clone() for o in pair.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runner.replay_backward(ctx.pair, ctx.generation, grads)
+        return (None, None, *(None for _ in ctx.runner.params))
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _runner(parts: ModelParts) -> GraphRunner:
+    params = tuple(p for p in parts.causal_lm.parameters() if p.requires_grad)
+    runner = _RUNNERS.get(parts.causal_lm)
+    if runner is None or len(runner.params) != len(params) or any(a is not b for a, b in zip(runner.params, params)):
+        runner = GraphRunner(params)
+        _RUNNERS[parts.causal_lm] = runner
+    return runner
+
+
+def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, backend: str, temperature: float,
+                   with_entropy: bool, meta: TreeAttentionMetadata, keep: bool, checkpointing: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per-prediction log-probs (and entropies), ``plan.pred_src`` order, from a replayed graph pair;
+    None when this layout is not (yet) captured — the caller then runs the eager call.
+
+    ``meta`` is the call's freshly built tree metadata (uploaded), ``keep`` whether the call keeps
+    its attention outputs for the checkpointed recompute."""
+    runner = _runner(parts)
+    check_graphable(parts, backend, runner.params)
+    signature = (backend, forest.num_unique_tokens, plan.num_predictions, with_entropy, float(temperature), keep,
+                 checkpointing, torch.is_autocast_enabled(parts.device.type), _layout_signature(meta),
+                 _module_state(parts.outer))
+    pair = runner.pairs.get(signature)
+    tokens, pred_src, targets = upload([forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst]], torch.int64,
+                                       parts.device)
+    if pair is None:
+        runner.sightings[signature] += 1
+        if runner.sightings[signature] < CAPTURE_AT_SIGHTING or not runner.params:
+            return None
+        del runner.sightings[signature]
+        pair = _capture(runner, parts, _GraphPair(tokens, pred_src, targets, meta), temperature, with_entropy, keep)
+        runner.pairs[signature] = pair
+        while len(runner.pairs) > GRAPH_CACHE_SIZE:
+            runner.pairs.popitem(last=False)
+    else:
+        runner.pairs.move_to_end(signature)
+        pair.tokens.copy_(tokens)
+        pair.pred_src.copy_(pred_src)
+        pair.targets.copy_(targets)
+        _copy_layout(pair.meta, meta)
+    out = _ReplayedScores.apply(runner, pair, *runner.params)
+    return out[0], (out[1] if with_entropy else None)
+
+
+def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperature: float, with_entropy: bool,
+             keep: bool) -> _GraphPair:
+    """Warm up, then capture the pair's forward and backward graphs into the runner's pool."""
+    from .engine import tree_forward
+
+    install(parts.causal_lm.config._attn_implementation)
+    meta = pair.meta
+
+    def forward() -> tuple:
+        meta.calls = 0
+        meta._cache.clear()  # masks built lazily from the static tensors: inside the graph, every replay
+        meta.kept = KeptAttention(parts.num_layers) if keep else None
+        hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)
+        logp, ent = score_predictions(hidden, parts, pair.pred_src, pair.targets, temperature, with_entropy)
+        pair.live = (logp, ent) if with_entropy else (logp,)
+        if pair.outputs:  # a stand-in's rerun: leave the values where a graph's replay would
+            for static, new in zip(pair.outputs, pair.live):
+                static.detach().copy_(new.detach())
+        return pair.live
+
+    def backward(into_buffers: bool = True) -> None:
+        outputs = [(o, g) for o, g in zip(pair.live, pair.grad_outputs) if o.requires_grad]
+        saved = [p.grad for p in runner.params]
+        try:
+            for p, b in zip(runner.params, runner.grad_buffers):
+                # capturing: autograd adds in place into the buffer, what the graph records; warming up:
+                # into throw-away gradients (the buffers may be .grad, holding accumulated gradients)
+                p.grad = b if into_buffers else None
+            torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
+        finally:
+            for p, g in zip(runner.params, saved):
+                p.grad = g
+        meta.kept = None
+
+    device = parts.device
+    if not runner.grad_buffers:
+        runner.grad_buffers = tuple(torch.zeros_like(p) for p in runner.params)
+    if runner.pool is None and device.type == "cuda":
+        runner.pool = torch.cuda.graph_pool_handle()
+    # log-probs and entropies are fp32 [P] (TRL's fused head); allocated here, outside the pool
+    pair.grad_outputs = tuple(torch.zeros(pair.pred_src.shape[0], dtype=torch.float32, device=device)
+                              for _ in range(2 if with_entropy else 1))
+    with torch.enable_grad():
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    forward()
+                    backward(into_buffers=False)
+            torch.cuda.current_stream(device).wait_stream(side)
+        pair.forward = _new_graph(device, runner.pool)
+        pair.outputs = tuple(pair.forward.capture(forward))
+        if [(o.shape, o.dtype) for o in pair.outputs] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
+            raise RuntimeError("cuda_graphs: the fused head's outputs are not fp32 [P]; cannot capture this call")
+        pair.backward = _new_graph(device, runner.pool)
+        pair.backward.capture(backward, runs_now=False)
+    runner.captures += 1
+    # the captured forward's results are in the static outputs; the first replay must run it again
+    pair.generation = -1
+    return pair
