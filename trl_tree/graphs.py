@@ -117,11 +117,12 @@ def _new_graph(device: torch.device, pool):
     raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device.type}")
 
 
-def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Parameter, ...]) -> None:
+def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Parameter, ...],
+                    modules: tuple[torch.nn.Module, ...]) -> None:
     """Refuse what a replay would get wrong (hooks that run only while capturing) or cannot run."""
     if parts.device.type != "cuda" and CPU_STAND_IN is None:
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {parts.device.type}")
-    for module in (parts.outer, *parts.outer.modules()):
+    for module in modules:
         name = type(module).__name__
         if name in _WRAPPERS_REFUSED:
             raise ValueError(
@@ -167,13 +168,11 @@ def _copy_layout(static, new) -> None:
             _copy_layout(getattr(static, f.name), getattr(new, f.name))
 
 
-def _module_state(model: torch.nn.Module) -> tuple:
-    """Python-side switches a forward reads that a capture would freeze: train/eval, and PEFT's
-    adapter switches (``disable_adapter()``, the active adapter)."""
-    return tuple(
-        (m.training, getattr(m, "_disable_adapters", None), str(getattr(m, "_active_adapter", None)))
-        for m in model.modules()
-    )
+def _module_state(modules: tuple[torch.nn.Module, ...], adapters: tuple[torch.nn.Module, ...]) -> tuple:
+    """Python-side switches a forward reads that a capture would freeze: train/eval of every module,
+    and PEFT's adapter switches (``disable_adapter()``, the active adapter) of its adapter layers."""
+    return (tuple(m.training for m in modules),
+            tuple((m._disable_adapters, str(m._active_adapter)) for m in adapters))
 
 
 @dataclass(eq=False)
@@ -197,6 +196,8 @@ class GraphRunner:
     """The captured graph pairs of one model, their shared pool and gradient buffers."""
 
     params: tuple[torch.nn.Parameter, ...]
+    modules: tuple[torch.nn.Module, ...] = ()  # the outer model's modules (itself first), looked at per call
+    adapters: tuple[torch.nn.Module, ...] = ()  # those with PEFT's adapter switches
     grad_buffers: tuple[torch.Tensor, ...] = ()
     pairs: OrderedDict = field(default_factory=OrderedDict)
     sightings: Counter = field(default_factory=Counter)
@@ -270,6 +271,9 @@ def _runner(parts: ModelParts) -> GraphRunner:
     if runner is None or len(runner.params) != len(params) or any(a is not b for a, b in zip(runner.params, params)):
         runner = GraphRunner(params)
         _RUNNERS[parts.causal_lm] = runner
+    if not runner.modules or runner.modules[0] is not parts.outer:  # the same model, called through another wrapper
+        runner.modules = (parts.outer, *parts.outer.modules())
+        runner.adapters = tuple(m for m in runner.modules if hasattr(m, "_disable_adapters"))
     return runner
 
 
@@ -282,10 +286,10 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
     ``meta`` is the call's freshly built tree metadata (uploaded), ``keep`` whether the call keeps
     its attention outputs for the checkpointed recompute."""
     runner = _runner(parts)
-    check_graphable(parts, backend, runner.params)
+    check_graphable(parts, backend, runner.params, runner.modules)
     signature = (backend, forest.num_unique_tokens, plan.num_predictions, with_entropy, float(temperature), keep,
                  checkpointing, torch.is_autocast_enabled(parts.device.type), _layout_signature(meta),
-                 _module_state(parts.outer))
+                 _module_state(runner.modules, runner.adapters))
     pair = runner.pairs.get(signature)
     tokens, pred_src, targets = upload([forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst]], torch.int64,
                                        parts.device)
