@@ -6,8 +6,8 @@ For each workload: TRL's padded step (eager, the suite's baseline), the packed t
 the same step replaying the graphs ``trl_tree.graphs`` captures at its second call — median ms (CUDA
 events), speed-up over TRL and its fraction of the FLOP limit (DESIGN, "Measuring speed"), GPU-busy
 milliseconds and kernel launches (profiler), activation peak, the capturing call's seconds, the
-memory the graphs hold (pool and gradient buffers) and the graphed gradients' difference from the
-eager ones. What it answers: how much of the small models' gap to the limit is the host launching
+memory the graphs hold (the pool's new segments at capture; the gradient buffers, which serve as the
+parameters' ``.grad``) and the graphed gradients' difference from the eager ones. What it answers: how much of the small models' gap to the limit is the host launching
 kernels (notes §9, §13, §15) — a replay launches the step's kernels with one call.
 """
 
@@ -57,18 +57,22 @@ def run_workload(model, w, iters: int) -> dict:
             step()  # packed_graphs: the first sighting runs eagerly
             if name != "trl_padded":
                 grads[name] = _grads(model)
-            reserved = torch.cuda.memory_reserved()
             torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
             start = time.perf_counter()
             step()  # packed_graphs: captures, then replays
             torch.cuda.synchronize()
             second = time.perf_counter() - start
+            pool_gib = (torch.cuda.memory_reserved() - reserved) / 2**30  # the graphs' pool: its own segments
             ms, _, act = time_cuda(step, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
             busy, kernels = gpu_busy(step)
             r = {"ms": round(ms, 2), "second_call_s": round(second, 2), "activation_peak_gib": round(act, 3),
                  "gpu_busy_ms": round(busy, 1), "kernels": kernels}
             if name == "packed_graphs":
-                r["graph_memory_gib"] = round((torch.cuda.memory_reserved() - reserved) / 2**30, 3)
+                from ..graphs import _RUNNERS
+
+                r["graph_pool_reserved_gib"] = round(pool_gib, 3)
+                r["grad_buffers_gib"] = round(sum(b.nbytes for b in _RUNNERS[model].grad_buffers) / 2**30, 3)
                 model.zero_grad(set_to_none=True)
                 step()  # a replay
                 r["grad_difference_vs_eager"] = round(_relative_difference(grads["packed"], _grads(model)), 5)
