@@ -164,7 +164,12 @@ def test_layouts_are_captured_at_their_second_sighting_and_evicted_lru(stand_in,
     for seqs in layouts:
         _graphed_backward(model, seqs)
     runner = _runner(model)
-    assert runner.captures == 3 and len(runner.pairs) == 2
+    assert runner.captures == 3 and len(runner.pairs) == 2 and not runner.sightings
+    # layouts that never come back are forgotten beyond SIGHTINGS_KEPT
+    monkeypatch.setattr(graphs, "SIGHTINGS_KEPT", 2)
+    for i in range(4):
+        _graphed_backward(model, grpo_group(5 + i, 3, 2, VOCAB, seed=i))
+    assert len(runner.sightings) == 2 and runner.captures == 3
     # a dense batch of unshared equal-length rows runs eagerly (the model's own attention, GPU-efficient)
     unshared = [[i + 1] * 6 for i in range(4)]
     for _ in range(3):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +60,9 @@ GRAPH_CACHE_SIZE = 4
 #: capture a layout at this sighting (the first ones run eagerly): a layout seen once is not worth
 #: a capture, which costs a warm-up step plus the capture itself
 CAPTURE_AT_SIGHTING = 2
+#: layouts remembered as seen but not captured (least recently seen forgotten first): a run whose
+#: layouts never repeat must not grow this without bound
+SIGHTINGS_KEPT = 64
 #: eager runs on a side stream before a capture (PyTorch's rule: lazy initialisations — cuBLAS
 #: workspaces, cuDNN plans, Triton autotuning — must happen outside the graph)
 WARMUP_RUNS = 2
@@ -200,7 +203,7 @@ class GraphRunner:
     adapters: tuple[torch.nn.Module, ...] = ()  # those with PEFT's adapter switches
     grad_buffers: tuple[torch.Tensor, ...] = ()
     pairs: OrderedDict = field(default_factory=OrderedDict)
-    sightings: Counter = field(default_factory=Counter)
+    sightings: OrderedDict = field(default_factory=OrderedDict)  # signature -> times seen, not captured
     pool: object = None
     generation: int = 0  # forward replays so far (any pair): the pool holds the latest one's activations
     captures: int = 0
@@ -294,10 +297,12 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
     tokens, pred_src, targets = upload([forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst]], torch.int64,
                                        parts.device)
     if pair is None:
-        runner.sightings[signature] += 1
-        if runner.sightings[signature] < CAPTURE_AT_SIGHTING or not runner.params:
+        seen = runner.sightings.pop(signature, 0) + 1
+        if seen < CAPTURE_AT_SIGHTING or not runner.params:
+            runner.sightings[signature] = seen
+            while len(runner.sightings) > SIGHTINGS_KEPT:
+                runner.sightings.popitem(last=False)
             return None
-        del runner.sightings[signature]
         pair = _capture(runner, parts, _GraphPair(tokens, pred_src, targets, meta), temperature, with_entropy, keep)
         runner.pairs[signature] = pair
         while len(runner.pairs) > GRAPH_CACHE_SIZE:
