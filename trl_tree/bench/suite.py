@@ -80,6 +80,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
     # what keeping the attention outputs for the recompute gains (and costs in memory)
     paths["tree_packed_recompute"] = tree(forest, keep_attention=False)
+    # the same packed step replaying CUDA graphs (trl_tree.graphs; captured in the warm-up)
+    paths["tree_packed_graphs"] = tree(forest, cuda_graphs=True)
     if layout is not None and trie_packer_available():  # TRL's own tree packing, where anything is shared
         paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
     if dfs:
@@ -140,9 +142,10 @@ def markdown(payload: dict) -> str:
              "whose outputs it kept: `attention/kept.py`); 'attention recomputed' = the packed tree without that; act. peak = peak memory above the weights and the gradients "
              "(activations and temporaries; `time_cuda`).", "",
              "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
-             "÷ limit | attention recomputed (act. peak) | root split (packed the other way) | TRL trie packer | tree dfs | "
+             "÷ limit | packed, CUDA graphs (speed-up, ÷ limit) | attention recomputed (act. peak) | "
+             "root split (packed the other way) | TRL trie packer | tree dfs | "
              "dfs act. peak ÷ longest single | act. peak TRL → packed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for size, results in payload["results"].items():
         for r in results:
             by = {x["path"]: x for x in r["rows"]}
@@ -158,6 +161,9 @@ def markdown(payload: dict) -> str:
                 dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
             trie = by.get("trl_trie_packer", {})
             trie_cell = f"{ms('trl_trie_packer')} ({trie['speedup']:.2f}×)" if "speedup" in trie else ms("trl_trie_packer")
+            graphed = by.get("tree_packed_graphs", {})
+            graphs_cell = (f"{ms('tree_packed_graphs')} ({graphed['speedup']:.2f}×, {graphed['fraction_of_flop_limit']:.2f})"
+                           if "fraction_of_flop_limit" in graphed else ms("tree_packed_graphs"))
             rec = by.get("tree_packed_recompute", {})
             rec_cell = f"{ms('tree_packed_recompute')} ({rec[key]:.2f} GiB)" if key in rec else ms("tree_packed_recompute")
             other = next((p for p in ("tree_packed_unsplit", "tree_packed_split") if p in by), None)
@@ -167,7 +173,8 @@ def markdown(payload: dict) -> str:
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
                 f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
-                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {rec_cell} | {split_cell} | {trie_cell} | {dfs_cell} | "
+                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {graphs_cell} | {rec_cell} | {split_cell} | {trie_cell} | "
+                f"{dfs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
     w5 = [f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
@@ -196,7 +203,13 @@ def plot(payload: dict, path: str) -> bool:
             continue
         t, s, lim = zip(*pts)
         line = ax.scatter(t, s, marker=marker, label=f"tree packed, {size}")
-        ax.scatter(t, lim, marker="_", s=300, color=line.get_facecolor()[0], label=f"FLOP limit, {size}")
+        color = line.get_facecolor()[0]
+        ax.scatter(t, lim, marker="_", s=300, color=color, label=f"FLOP limit, {size}")
+        graphed = [(r["T_over_U"], x["speedup"]) for r in results for x in r["rows"]
+                   if x["path"] == "tree_packed_graphs" and "speedup" in x]
+        if graphed:
+            ax.scatter(*zip(*graphed), marker=marker, facecolors="none", edgecolors=color,
+                       label=f"tree packed, CUDA graphs, {size}")
     ax.set_xlabel("T/U (total ÷ unique tokens)")
     ax.set_ylabel("speed-up over TRL's padded step")
     ax.set_title(f"trl_tree on {payload['environment'].get('device', 'GPU')}")
