@@ -212,9 +212,10 @@ def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str) -> Tree
 
 def _graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str,
                     temperature: float, return_entropy: bool, keep_attention: bool | None):
-    """Per-prediction scores from replayed CUDA graphs (``trl_tree.graphs``), or None where this call
-    runs eagerly: a dense unshared batch, or a layout not captured (yet). Returns the metadata it
-    built too, so the eager call does not upload it again."""
+    """``(scores, meta)``: per-prediction scores from replayed CUDA graphs (``trl_tree.graphs``), and
+    the metadata built for them, which the eager call reuses instead of uploading it again. Scores
+    are None where this call runs eagerly: a dense unshared batch (meta None too), or a layout not
+    captured (yet)."""
     from .graphs import graphed_scores
 
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
