@@ -210,23 +210,6 @@ def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str) -> Tree
                                              dense=dense_blocks(parts, backend))
 
 
-def _graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str,
-                    temperature: float, return_entropy: bool, keep_attention: bool | None):
-    """``(scores, meta)``: per-prediction scores from replayed CUDA graphs (``trl_tree.graphs``), and
-    the metadata built for them, which the eager call reuses instead of uploading it again. Scores
-    are None where this call runs eagerly: a dense unshared batch (meta None too), or a layout not
-    captured (yet)."""
-    from .graphs import graphed_scores
-
-    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
-    if dense_row_length(forest) is not None:
-        return None, None
-    meta = tree_metadata(parts, forest, backend)
-    scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, meta,
-                            keeps_attention(parts, backend, keep_attention), _checkpointing(parts))
-    return scores, meta
-
-
 def _score(
     parts: ModelParts,
     forest: PrefixForest,
@@ -242,19 +225,22 @@ def _score(
     ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
     ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
-    (``trl_tree.graphs``)."""
-    meta = None
-    if cuda_graphs and torch.is_grad_enabled():
-        scores, meta = _graphed_scores(parts, forest, plan, attn_backend, temperature, return_entropy,
-                                       keep_attention)
-        if scores is not None:
-            gather, *extra_t = upload([plan.gather, *extra], torch.int64, parts.device)
-            logp, ent = scores
-            return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
+    (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
+    eager call runs on the same uploaded arrays and metadata."""
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
-    hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
-    logp, ent = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
+    meta = scores = None
+    if cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None:
+        from .graphs import graphed_scores
+
+        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
+        meta = tree_metadata(parts, forest, backend)
+        scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
+                                targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts))
+    if scores is None:
+        hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
+        scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
+    logp, ent = scores
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
 
 

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._device import upload
 from .attention.dispatch import install
 from .attention.kept import KeptAttention
 from .attention.metadata import TreeAttentionMetadata
@@ -122,16 +121,15 @@ def _new_graph(device: torch.device, pool):
 
 
 def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Parameter, ...],
-                    modules: tuple[torch.nn.Module, ...]) -> None:
-    """Refuse what a replay would get wrong (hooks that run only while capturing) or cannot run."""
+                    wrapper: str | None) -> None:
+    """Refuse what a replay would get wrong (hooks that run only while capturing) or cannot run
+    (``wrapper``: the name of a distributed wrapper around the model, if any)."""
     if parts.device.type != "cuda" and CPU_STAND_IN is None:
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {parts.device.type}")
-    for module in modules:
-        name = type(module).__name__
-        if name in _WRAPPERS_REFUSED:
-            raise ValueError(
-                f"cuda_graphs=True cannot run a model wrapped in {name}: its gradient hooks and collectives would "
-                "run only while capturing. Use cuda_graphs=False with several processes")
+    if wrapper is not None:
+        raise ValueError(
+            f"cuda_graphs=True cannot run a model wrapped in {wrapper}: its gradient hooks and collectives would "
+            "run only while capturing. Use cuda_graphs=False with several processes")
     if backend not in GRAPH_BACKENDS:
         raise ValueError(f"cuda_graphs=True runs the {', '.join(GRAPH_BACKENDS)} backends, not {backend!r}")
     for p in params:
@@ -202,6 +200,7 @@ class GraphRunner:
     params: tuple[torch.nn.Parameter, ...]
     modules: tuple[torch.nn.Module, ...] = ()  # the outer model's modules (itself first), looked at per call
     adapters: tuple[torch.nn.Module, ...] = ()  # those with PEFT's adapter switches
+    wrapper: str | None = None  # the class name of a distributed wrapper among them (refused)
     grad_buffers: tuple[torch.Tensor, ...] = ()
     pairs: OrderedDict = field(default_factory=OrderedDict)
     sightings: OrderedDict = field(default_factory=OrderedDict)  # signature -> times seen, not captured
@@ -278,25 +277,27 @@ def _runner(parts: ModelParts) -> GraphRunner:
     if not runner.modules or runner.modules[0] is not parts.outer:  # the same model, called through another wrapper
         runner.modules = (parts.outer, *parts.outer.modules())
         runner.adapters = tuple(m for m in runner.modules if hasattr(m, "_disable_adapters"))
+        runner.wrapper = next((type(m).__name__ for m in runner.modules if type(m).__name__ in _WRAPPERS_REFUSED),
+                              None)
     return runner
 
 
 def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, backend: str, temperature: float,
-                   with_entropy: bool, meta: TreeAttentionMetadata, keep: bool, checkpointing: bool,
+                   with_entropy: bool, tokens: torch.Tensor, pred_src: torch.Tensor, targets: torch.Tensor,
+                   meta: TreeAttentionMetadata, keep: bool, checkpointing: bool,
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-prediction log-probs (and entropies), ``plan.pred_src`` order, from a replayed graph pair;
     None when this layout is not (yet) captured — the caller then runs the eager call.
 
-    ``meta`` is the call's freshly built tree metadata (uploaded), ``keep`` whether the call keeps
-    its attention outputs for the checkpointed recompute."""
+    ``tokens``, ``pred_src``, ``targets`` and ``meta`` are the call's arrays and tree metadata,
+    already on the device (a capture keeps them as its static inputs; a replay copies them in);
+    ``keep`` whether the call keeps its attention outputs for the checkpointed recompute."""
     runner = _runner(parts)
-    check_graphable(parts, backend, runner.params, runner.modules)
+    check_graphable(parts, backend, runner.params, runner.wrapper)
     signature = (backend, forest.num_unique_tokens, plan.num_predictions, with_entropy, float(temperature), keep,
                  checkpointing, torch.is_autocast_enabled(parts.device.type), _layout_signature(meta),
                  _module_state(runner.modules, runner.adapters))
     pair = runner.pairs.get(signature)
-    tokens, pred_src, targets = upload([forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst]], torch.int64,
-                                       parts.device)
     if pair is None:
         seen = runner.sightings.pop(signature, 0) + 1
         if seen < CAPTURE_AT_SIGHTING or not runner.params:

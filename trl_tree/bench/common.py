@@ -165,6 +165,18 @@ def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[s
             "dfs": tree("dfs"), "packed_graphs": tree("packed", cuda_graphs=True)}
 
 
+def parameter_grads(model) -> list[torch.Tensor]:
+    """Copies of the model's gradients, in parameter order (for comparing two ways of one step)."""
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """``||a - b|| / ||a||`` over all the tensors together, in fp32."""
+    num = sum(((x.float() - y.float()) ** 2).sum() for x, y in zip(a, b))
+    den = sum((x.float() ** 2).sum() for x in a)
+    return float((num / den).sqrt())
+
+
 @dataclass
 class StepCost:
     """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and

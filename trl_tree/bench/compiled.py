@@ -21,17 +21,11 @@ import numpy as np
 import torch
 
 from ..compile import compile_layers, uncompile_layers
-from .common import bench_model, environment, step_paths, time_cuda
+from .common import bench_model, environment, parameter_grads, relative_difference, step_paths, time_cuda
 from .profile import gpu_busy
 from .workloads import suite_workloads
 
 PATHS = ("trl_padded", "packed", "dfs")
-
-
-def _relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    num = sum(((x.float() - y.float()) ** 2).sum() for x, y in zip(a, b))
-    den = sum((x.float() ** 2).sum() for x in a)
-    return float((num / den).sqrt())
 
 
 def _write(path: str | None, size: str, rows: list[dict]) -> None:
@@ -72,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
                 if name == "packed":
-                    packed_grads[layers] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                    packed_grads[layers] = parameter_grads(model)
                 ms, _, act = time_cuda(step, iters=args.iters, reset=lambda: model.zero_grad(set_to_none=True))
                 busy, kernels = gpu_busy(step)
                 model.zero_grad(set_to_none=True)
@@ -83,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row, flush=True)
                 _write(args.out, args.size, rows)  # partial results survive a timeout
         if len(packed_grads) == 2:
-            diff = _relative_difference(packed_grads["eager"], packed_grads["compiled"])
+            diff = relative_difference(packed_grads["eager"], packed_grads["compiled"])
             rows.append({"workload": w.name, "packed_grad_difference_compiled_vs_eager": round(diff, 4)})
             print(rows[-1], flush=True)
             _write(args.out, args.size, rows)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .. import PrefixForest
-from .common import add_kernels_arg, bench_model, environment, step_flops, step_paths, time_cuda
-from .compiled import _relative_difference
+from .common import (add_kernels_arg, bench_model, environment, parameter_grads, relative_difference, step_flops,
+                     step_paths, time_cuda)
 from .profile import gpu_busy
 from .suite import _costs
 from .workloads import suite_workloads
@@ -35,10 +35,6 @@ def _write(path: str | None, payload: dict) -> None:
             f.write("\n")
 
 
-def _grads(model) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 def run_workload(model, w, iters: int) -> dict:
     seqs, P = w.sequences, w.score_from
     forest = PrefixForest.from_sequences(seqs)
@@ -49,14 +45,14 @@ def run_workload(model, w, iters: int) -> dict:
     steps = step_paths(model, seqs, P, advantages)
     row = {"workload": w.name, "T": forest.num_tokens, "U": forest.num_unique_tokens,
            "T_over_U": round(forest.num_tokens / forest.num_unique_tokens, 3), "flop_limit": round(limit, 3)}
-    grads = {}
+    eager_grads = None
     for name in ("trl_padded", "packed", "packed_graphs"):
         step = steps[name]
         try:
             model.zero_grad(set_to_none=True)
             step()  # packed_graphs: the first sighting runs eagerly
-            if name != "trl_padded":
-                grads[name] = _grads(model)
+            if name == "packed":
+                eager_grads = parameter_grads(model)
             torch.cuda.synchronize()
             reserved = torch.cuda.memory_reserved()
             start = time.perf_counter()
@@ -75,7 +71,7 @@ def run_workload(model, w, iters: int) -> dict:
                 r["grad_buffers_gib"] = round(sum(b.nbytes for b in _RUNNERS[model].grad_buffers) / 2**30, 3)
                 model.zero_grad(set_to_none=True)
                 step()  # a replay
-                r["grad_difference_vs_eager"] = round(_relative_difference(grads["packed"], _grads(model)), 5)
+                r["grad_difference_vs_eager"] = round(relative_difference(eager_grads, parameter_grads(model)), 5)
             if name != "trl_padded":
                 r["speedup"] = round(row["trl_padded"]["ms"] / ms, 3)
                 r["fraction_of_flop_limit"] = round(r["speedup"] / limit, 3)
