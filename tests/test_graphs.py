@@ -202,6 +202,40 @@ def test_adapter_switches_and_train_mode_are_part_of_the_layout(stand_in):
     assert runner.captures == 1  # both ran eagerly: first sightings of their own layouts
 
 
+def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, monkeypatch):
+    """Where cuDNN pays only without the host's cost per call (head_dim 64, ``CUDNN_GRAPHED_MIN_HEAD_DIM``),
+    a layout's eager calls keep the varlen kernels and its captured graphs hold the dense ones: the
+    choice is part of the metadata, hence of the layout signature. Exact either way."""
+    from trl_tree import engine
+    from trl_tree.attention import backends, partial
+
+    dense_calls = []
+
+    def counting(*args):
+        dense_calls.append(args[7])
+        return partial.math_partial_forward(*args)
+
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
+    monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
+    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+    monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
+    monkeypatch.setattr(engine, "dense_blocks", lambda parts, backend, graphed=False: graphed)
+    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    model = _model()
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, GROUP, weighted_loss)
+    ref = grads_of(model)
+    for call in range(3):  # eager (first sighting), capture, replay
+        dense_calls.clear()
+        _, grads = _graphed_backward(model, GROUP)
+        assert_grads_close(grads, ref)
+        assert bool(dense_calls) == (call > 0), call
+    pair = next(iter(_runner(model).pairs.values()))
+    assert pair.meta.dense and _runner(model).captures == 1
+
+
 def test_refusals(stand_in, monkeypatch):
     model = _model()
     with pytest.raises(TypeError, match="cuda_graphs must be True or False"):

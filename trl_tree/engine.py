@@ -151,9 +151,10 @@ def _check_keep_attention(keep_attention: bool | None) -> None:
         raise TypeError(f"keep_attention must be True, False or None, got {keep_attention!r}")
 
 
-def dense_blocks(parts: ModelParts, backend: str) -> bool:
-    """Whether a split's single-segment blocks run on a dense kernel (cuDNN) for this model here."""
-    return dense_kernels(backend, parts.device, parts.compute_dtype, parts.head_dim) is not None
+def dense_blocks(parts: ModelParts, backend: str, graphed: bool = False) -> bool:
+    """Whether a split's single-segment blocks run on a dense kernel (cuDNN) for this model here
+    (``graphed``: in a call replayed from a CUDA graph, where cuDNN serves smaller heads too)."""
+    return dense_kernels(backend, parts.device, parts.compute_dtype, parts.head_dim, graphed=graphed) is not None
 
 
 def dense_row_length(forest: PrefixForest) -> int | None:
@@ -204,10 +205,11 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 
-def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str) -> TreeAttentionMetadata:
-    """The forest's packed-layout metadata on the model's device, with the engine's layout choices."""
+def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed: bool = False) -> TreeAttentionMetadata:
+    """The forest's packed-layout metadata on the model's device, with the engine's layout choices
+    (``graphed``: those of a call replayed from a CUDA graph, see :func:`dense_blocks`)."""
     return TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
-                                             dense=dense_blocks(parts, backend))
+                                             dense=dense_blocks(parts, backend, graphed))
 
 
 def _score(
@@ -226,7 +228,8 @@ def _score(
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
     ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
     (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
-    eager call runs on the same uploaded arrays and metadata."""
+    eager call runs on the same uploaded arrays and metadata — rebuilt only where a graph would run
+    other kernels than an eager call (``dense_blocks``), so that eager calls keep the eager choice."""
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
     meta = scores = None
@@ -234,9 +237,11 @@ def _score(
         from .graphs import graphed_scores
 
         backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
-        meta = tree_metadata(parts, forest, backend)
+        meta = tree_metadata(parts, forest, backend, graphed=True)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
                                 targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts))
+        if scores is None and meta.dense != dense_blocks(parts, backend):
+            meta = None
     if scores is None:
         hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
         scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)

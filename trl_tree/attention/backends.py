@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import TreeAttentionMetadata
-from .partial import PARTIAL_KERNELS, dense_kernels, merge_partials
+from .partial import PARTIAL_KERNELS, dense_pair, merge_partials
 
 BACKENDS = ("flash", "torch_flash", "flex", "sdpa", "eager")
 
@@ -111,9 +111,8 @@ def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float) -> _Attended:
     varlen, _ = PARTIAL_KERNELS[meta.backend]
     split = meta.root_split
     dense = None
-    if split is not None:  # a dense pair for the rectangle (and, one tree, the root block) if it runs here
-        dense = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], split.rect_max_seqlen_q,
-                              split.root_rows or split.rect_max_seqlen_k)
+    if split is not None and meta.dense:  # a dense pair for the rectangle (and, one tree, the root block)
+        dense = dense_pair(meta.backend, split.rect_max_seqlen_q, split.root_rows or split.rect_max_seqlen_k)
     if dense is not None and split.root_rows is not None:
         R, dense_fwd = split.root_rows, dense[0]
         o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,
@@ -159,8 +158,8 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
 
     Split, the parts are: each node against its path below the root (varlen), the rectangle of
     every query below a root against the root's keys, merged by log-sum-exp; and, when the forest
-    is one tree and a dense kernel runs here (cuDNN, ``partial.dense_kernels``), the root's own
-    causal block apart — the rectangle and the root block are then single dense segments run on
+    is one tree and a dense kernel runs here (cuDNN, ``partial.dense_kernels``; decided in
+    ``meta.dense``), the root's own causal block apart — the rectangle and the root block are then single dense segments run on
     cuDNN. Each part's backward is handed the *merged* output and log-sum-exp.
     """
 

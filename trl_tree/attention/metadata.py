@@ -92,6 +92,9 @@ class TreeAttentionMetadata:
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     root_split: RootSplit | None = None  # see attention/root_split.py (FlashAttention backends)
+    #: the split's single-segment blocks may run on the dense pair (``partial.dense_kernels``): decided
+    #: once when built, so that a captured CUDA graph's layout signature says which kernels it holds
+    dense: bool = False
     kept: KeptAttention | None = None  # outputs kept for the checkpointed recompute (attention/kept.py)
 
     @classmethod
@@ -100,7 +103,8 @@ class TreeAttentionMetadata:
         """Upload the forest's layout (two copies, ``_device.upload``). ``root_split``: split the
         attention at the roots (True), never (False), or where it pays (None, :func:`use_root_split`;
         ``dense``: whether a dense kernel will run the single-segment parts); only backends with
-        partial kernels (``attention/partial.py``, i.e. ``torch_flash``) run it."""
+        partial kernels (``attention/partial.py``, i.e. ``torch_flash``) run it; the split's blocks then
+        run on the dense pair only where ``dense``."""
         layout = None
         if backend in PARTIAL_KERNELS and root_split is not False:
             layout = RootSplitLayout.from_forest(forest)
@@ -120,6 +124,7 @@ class TreeAttentionMetadata:
             max_seqlen_q=forest.max_seqlen_q,
             max_seqlen_k=forest.max_seqlen_k,
             root_split=layout.to_device(device) if layout is not None else None,
+            dense=dense,
         )
 
     def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:

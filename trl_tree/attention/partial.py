@@ -182,32 +182,44 @@ PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward
 DENSE_KERNELS = {"torch_flash": (cudnn_dense_forward, cudnn_dense_backward)}
 
 #: head dimensions the dense (cuDNN) pair is used for: up to 128 (cuDNN's limit here), and from
-#: 128 on: at head_dim 64 (Qwen2.5-0.5B) the split with cuDNN ran slower than FA2 varlen on H200
-#: (agentic tree: 203 vs 157 ms unsplit), at 128 faster (1.5B: 244 vs 301 ms; notes §12)
+#: 128 on when the host launches the kernels: at head_dim 64 (Qwen2.5-0.5B) the split with cuDNN
+#: ran slower than FA2 varlen on H200 (agentic tree: 203 vs 157 ms unsplit; a cuDNN call costs more
+#: host time, and the 0.5B step is host-bound), at 128 faster (1.5B: 244 vs 301 ms; notes §12)
 CUDNN_MIN_HEAD_DIM = 128
 CUDNN_MAX_HEAD_DIM = 128
+#: ... and from 64 on in a replayed CUDA graph (``trl_tree.graphs``), where the host's cost per call
+#: is gone and only the kernels' GPU time counts (notes §17)
+CUDNN_GRAPHED_MIN_HEAD_DIM = 64
 #: fewest query and key rows a part needs to go to the dense pair (cuDNN refuses 1 x 1 blocks,
 #: and a block smaller than a tile gains nothing from a second kernel)
 DENSE_MIN_ROWS = 64
 
 
+def dense_pair(backend: str, q_rows: int | None = None, k_rows: int | None = None):
+    """``backend``'s dense pair for a block of ``q_rows`` x ``k_rows`` (when given), else None; where
+    it may run at all (device, dtype, head dimension) is :func:`dense_kernels`' question."""
+    pair = DENSE_KERNELS.get(backend)
+    if pair is None or any(rows is not None and rows < DENSE_MIN_ROWS for rows in (q_rows, k_rows)):
+        return None
+    return pair
+
+
 def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                  q_rows: int | None = None, k_rows: int | None = None):
+                  q_rows: int | None = None, k_rows: int | None = None, graphed: bool = False):
     """The dense pair of ``backend`` if it runs here (for a block of ``q_rows`` x ``k_rows``, when
     given), else None (the varlen pair serves instead).
 
-    cuDNN's fused attention: CUDA, fp16/bf16, head dimension 128 (``CUDNN_MIN/MAX_HEAD_DIM``), blocks of
-    at least ``DENSE_MIN_ROWS`` each way, and PyTorch's cuDNN SDPA switch on
+    cuDNN's fused attention: CUDA, fp16/bf16, head dimension 128 (``CUDNN_MIN/MAX_HEAD_DIM``; from
+    ``CUDNN_GRAPHED_MIN_HEAD_DIM`` in a call that is ``graphed``), blocks of at least
+    ``DENSE_MIN_ROWS`` each way, and PyTorch's cuDNN SDPA switch on
     (``torch.backends.cuda.enable_cudnn_sdp``: a user who turned it off gets the varlen kernels
     everywhere).
     """
-    pair = DENSE_KERNELS.get(backend)
-    too_small = any(rows is not None and rows < DENSE_MIN_ROWS for rows in (q_rows, k_rows))
-    if pair is None or too_small:
-        return None
-    if backend != "torch_flash":
+    pair = dense_pair(backend, q_rows, k_rows)
+    if pair is None or backend != "torch_flash":
         return pair
     ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-          and CUDNN_MIN_HEAD_DIM <= head_dim <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
+          and (CUDNN_GRAPHED_MIN_HEAD_DIM if graphed else CUDNN_MIN_HEAD_DIM) <= head_dim <= CUDNN_MAX_HEAD_DIM
+          and torch.backends.cudnn.is_available()
           and torch.backends.cuda.cudnn_sdp_enabled())
     return pair if ok else None

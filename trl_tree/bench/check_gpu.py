@@ -5,7 +5,8 @@
 For each backend that runs on this GPU, the tree's bf16 log-probs and gradients are compared with
 an fp32 untreed reference (TF32 off); the untreed bf16 path is compared with the same reference.
 The tree passes when its error is at most 1.5x the untreed bf16 path's own error. In fp32 the
-backends that support it must also match the reference to 1e-5 like on the CPU.
+backends that support it must also match the reference to 1e-5 like on the CPU. Two models: head
+dimension 128 (every path) and 64 (the graphed paths, whose split runs on cuDNN only when replayed).
 """
 
 from __future__ import annotations
@@ -93,29 +94,14 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     return paths + [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only smoke-tests the script")
-    add_kernels_arg(parser)
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("check_gpu needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-    # head_dim 128 (as Qwen2.5-1.5B/7B): the size at which the split and the dfs prefix run on cuDNN
-    config = tiny_config(
-        "qwen2", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, initializer_range=0.05,
-    )
+def _check_model(config, paths, device: torch.device, kernels: str) -> tuple[bool, list[dict]]:
+    """Every path of ``paths`` on a model of ``config``, bf16 and fp32, against the fp32 untreed model."""
     torch.manual_seed(0)
     with device:
         model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
     for model in (model32, model16):  # reference and tree alike: the check is of the tree, on these layers
-        apply_kernels(model, args.kernels)  # after the copy: a deep copy drops torch.compile's wrappers
+        apply_kernels(model, kernels)  # after the copy: a deep copy drops torch.compile's wrappers
     workloads = {
         "grpo_p300_c100_g8": grpo_group(300, 100, 8, config.vocab_size, seed=1),
         "random_tree_24": random_tree(24, config.vocab_size, max_len=256, seed=2),
@@ -125,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_logps, ref_grads = _run(model32, seqs, None)
         base = _errors(*_run(model16, seqs, None), ref_logps, ref_grads)
         results.append({"workload": name, "path": "untreed", "dtype": "bf16", **base})
-        for backend, mode, split, checkpointed, graphs, label in _paths():
+        for backend, mode, split, checkpointed, graphs, label in paths:
             for dtype, model in (("bf16", model16), ("fp32", model32)):
                 ok, why = backend_available(backend, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
                 if not ok:
@@ -146,14 +132,40 @@ def main(argv: list[str] | None = None) -> int:
                     passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
                 ok_all &= passed
                 results.append({"workload": name, "path": label, "dtype": dtype, **errs, "passed": passed})
-    print(f"{'workload':22} {'path':40} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
+    return ok_all, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only smoke-tests the script")
+    add_kernels_arg(parser)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("check_gpu needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    results, ok_all = [], True
+    for heads, paths in ((2, _paths()), (4, [p for p in _paths() if p[4]])):
+        # head_dim 128 (as Qwen2.5-1.5B/7B): the size at which the split and the dfs prefix run on cuDNN;
+        # head_dim 64 (as Qwen2.5-0.5B): where only replayed graphs run the split's blocks on cuDNN
+        config = tiny_config(
+            "qwen2", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=4096, initializer_range=0.05,
+        )
+        ok, rows = _check_model(config, paths, device, args.kernels)
+        ok_all &= ok
+        results += [{"head_dim": 256 // heads, **r} for r in rows]
+    print(f"{'hd':>3} {'workload':22} {'path':40} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")
     for r in results:
         if "skipped" in r or "error" in r:
             why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAIL: {r['error']}"
-            print(f"{r['workload']:22} {r['path']:40} {r['dtype']:5} {why}")
+            print(f"{r['head_dim']:3} {r['workload']:22} {r['path']:40} {r['dtype']:5} {why}")
             continue
         verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
-        print(f"{r['workload']:22} {r['path']:40} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
+        print(f"{r['head_dim']:3} {r['workload']:22} {r['path']:40} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
     dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
     return 0 if ok_all else 1
 

@@ -1,6 +1,7 @@
 """The packed step eager against replayed CUDA graphs (``cuda_graphs=True``), in one process.
 
     python -m trl_tree.bench.graphs [--size 0.5b] [--workloads W1,W2,W3,W4] [--kernels hf|compiled]
+                                    [--dense-heads] [--profile FILE]
 
 For each workload: TRL's padded step (eager, the suite's baseline), the packed tree step eagerly and
 the same step replaying the graphs ``trl_tree.graphs`` captures at its second call — median ms (CUDA
@@ -9,6 +10,11 @@ milliseconds and kernel launches (profiler), activation peak, the capturing call
 memory the graphs hold (the pool's new segments at capture; the gradient buffers, which serve as the
 parameters' ``.grad``) and the graphed gradients' difference from the eager ones. What it answers: how much of the small models' gap to the limit is the host launching
 kernels (notes §9, §13, §15) — a replay launches the step's kernels with one call.
+
+``--dense-heads`` (models with head_dim below 128): the graphed step with the split's dense blocks
+on cuDNN (``partial.CUDNN_GRAPHED_MIN_HEAD_DIM``, the default) against FA2 varlen (the eager
+choice), alternated in rounds in one process, with GPU time by kind of kernel (notes §17);
+``--profile FILE`` writes each graphed variant's per-kernel table there.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from .. import PrefixForest
 from .common import (add_kernels_arg, bench_model, environment, parameter_grads, relative_difference, step_flops,
                      step_paths, time_cuda)
-from .profile import gpu_busy
+from .profile import gpu_busy, gpu_ms_by_kind, kernel_table, profile_step
 from .suite import _costs
 from .workloads import suite_workloads
 
@@ -35,7 +41,44 @@ def _write(path: str | None, payload: dict) -> None:
             f.write("\n")
 
 
-def run_workload(model, w, iters: int) -> dict:
+def compare_dense_heads(model, step, eager_grads, trl_ms: float, limit: float, rounds: int = 3,
+                        tables=None, label: str = "") -> dict:
+    """The graphed ``step`` with the split's single-segment blocks on cuDNN from head_dim 64 and from
+    128 only (i.e. FA2 varlen at 64, as eager calls run), alternated ``rounds`` times (host drift
+    cancels): median ms, speed-up and fraction of the limit, GPU ms by kind, gradient difference
+    from the eager step's. The choice is in the layout signature, so each variant has its graphs."""
+    from ..attention import partial
+
+    reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+    chosen = partial.CUDNN_GRAPHED_MIN_HEAD_DIM
+    variants = sorted({chosen, partial.CUDNN_MIN_HEAD_DIM})
+    times: dict[int, list[float]] = {v: [] for v in variants}
+    out = {}
+    try:
+        for _ in range(rounds):
+            for v in variants:
+                partial.CUDNN_GRAPHED_MIN_HEAD_DIM = v
+                times[v].append(time_cuda(step, warmup=2, iters=5, reset=reset)[0])
+        for v in variants:
+            partial.CUDNN_GRAPHED_MIN_HEAD_DIM = v
+            reset()
+            step()
+            diff = relative_difference(eager_grads, parameter_grads(model))
+            prof = profile_step(step)
+            ms = float(np.median(times[v]))
+            out[f"cudnn_from_head_dim_{v}"] = {
+                "ms": round(ms, 2), "rounds_ms": [round(t, 2) for t in times[v]], "speedup": round(trl_ms / ms, 3),
+                "fraction_of_flop_limit": round(trl_ms / ms / limit, 3), "gpu_ms": gpu_ms_by_kind(prof),
+                "grad_difference_vs_eager": round(diff, 5)}
+            if tables is not None:
+                tables.write(f"===== {label} graphed, cuDNN from head_dim {v}: {ms:.1f} ms\n{kernel_table(prof, 40)}\n\n")
+    finally:
+        partial.CUDNN_GRAPHED_MIN_HEAD_DIM = chosen
+        reset()
+    return out
+
+
+def run_workload(model, w, iters: int, dense_heads: bool = False, tables=None) -> dict:
     seqs, P = w.sequences, w.score_from
     forest = PrefixForest.from_sequences(seqs)
     base_cost, tree_cost = _costs(forest, seqs, P)
@@ -80,6 +123,10 @@ def run_workload(model, w, iters: int) -> dict:
         model.zero_grad(set_to_none=True)
         row[name] = r
         print(w.name, name, r, flush=True)
+    if dense_heads and eager_grads is not None and "ms" in row["trl_padded"]:
+        row["dense_heads"] = compare_dense_heads(model, steps["packed_graphs"], eager_grads, row["trl_padded"]["ms"],
+                                                 limit, tables=tables, label=w.name)
+        print(w.name, "dense_heads", row["dense_heads"], flush=True)
     return row
 
 
@@ -89,14 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="W1,W2,W3,W4")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--dense-heads", action="store_true",
+                        help="also time the graphed step with the split's blocks on cuDNN vs FA2 (head_dim < 128)")
+    parser.add_argument("--profile", default=None, help="with --dense-heads: write per-kernel tables here")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     model = bench_model(args.size, args.kernels)
     payload = {"environment": environment(args.kernels), "size": args.size, "rows": []}
-    for w in suite_workloads(model.config.vocab_size):
-        if w.name in args.workloads.split(","):
-            payload["rows"].append(run_workload(model, w, args.iters))
-            _write(args.out, payload)  # partial results survive a timeout
+    tables = open(args.profile, "w") if args.profile else None
+    try:
+        for w in suite_workloads(model.config.vocab_size):
+            if w.name in args.workloads.split(","):
+                payload["rows"].append(run_workload(model, w, args.iters, args.dense_heads, tables))
+                _write(args.out, payload)  # partial results survive a timeout
+    finally:
+        if tables is not None:
+            tables.close()
     return 0
 
 
