@@ -1,9 +1,11 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
-Trains the tiny policy a few steps with gradient accumulation in packed mode and in dfs mode
-(whose backward runs inside the engine and synchronises gradients by hand), from the same seed on
+Trains the tiny policy a few steps with gradient accumulation in packed mode, in dfs mode (whose
+backward runs inside the engine and synchronises gradients by hand) and in packed mode with
+``tree_cuda_graphs`` (the call runs outside DDP, replays the CPU stand-in of a graph from each
+micro-batch's second pass, and the trainer averages the gradients by hand), from the same seed on
 the same rollouts, and writes each rank's final parameters; the test checks that the ranks agree
-(gradients were averaged) and that dfs equals packed (the averaging is the same).
+(gradients were averaged) and that dfs and graphs equal packed (the averaging is the same).
 """
 
 import os
@@ -15,15 +17,18 @@ from datasets import Dataset
 sys.path.insert(0, os.path.dirname(__file__))
 from trainer_harness import PROMPTS, reward_a  # noqa: E402
 
-from trl_tree import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
+from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, graphs  # noqa: E402
 
 
 def main(checkpoint: str, out_dir: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    for mode in ("packed", "dfs"):
+    graphs.CPU_STAND_IN = graphs.EagerReplay  # CPU: the stand-in runs everything a graph replay would
+    for run in ("packed", "dfs", "graphs"):
+        mode = "packed" if run == "graphs" else run
         args = TreeGRPOConfig(
-            output_dir=os.path.join(out_dir, mode), tree_mode=mode, per_device_train_batch_size=4,
+            output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_cuda_graphs=run == "graphs",
+            num_iterations=2, per_device_train_batch_size=4,
             num_generations=4, max_completion_length=8, learning_rate=0.05, optim="sgd", max_steps=2,
             gradient_accumulation_steps=2, beta=0.04, use_cpu=True, bf16=False, report_to="none",
             save_strategy="no", seed=0, disable_tqdm=True, model_init_kwargs={"dtype": torch.float64},
@@ -36,7 +41,10 @@ def main(checkpoint: str, out_dir: str) -> None:
         rank = trainer.accelerator.process_index
         assert trainer.accelerator.num_processes == 2, "expected two processes"
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        torch.save(params, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+        if run == "graphs":  # the graphed path ran: layouts captured on the unwrapped model
+            runner = graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)]
+            params["captures"] = torch.tensor(runner.captures)
+        torch.save(params, os.path.join(out_dir, f"{run}_rank{rank}.pt"))
 
 
 if __name__ == "__main__":

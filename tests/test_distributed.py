@@ -1,4 +1,5 @@
-"""Two CPU processes under ``accelerate launch``: gradient synchronisation in packed and dfs mode."""
+"""Two CPU processes under ``accelerate launch``: gradient synchronisation in packed and dfs mode, and
+with CUDA graphs (their CPU stand-in), where the trainer averages the gradients by hand."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from trainer_harness import save_tiny_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_two_processes_agree_and_dfs_equals_packed(tmp_path):
+def test_two_processes_agree_and_dfs_and_graphs_equal_packed(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -20,10 +21,13 @@ def test_two_processes_agree_and_dfs_equals_packed(tmp_path):
            checkpoint, str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("packed", "dfs") for r in (0, 1)}
-    for mode in ("packed", "dfs"):
+    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("packed", "dfs", "graphs") for r in (0, 1)}
+    for rank in (0, 1):
+        assert int(runs[("graphs", rank)].pop("captures")) > 0, "the graphed run captured nothing"
+    for mode in ("packed", "dfs", "graphs"):
         for name, p in runs[(mode, 0)].items():
             assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
-    for name, p in runs[("packed", 0)].items():
-        q = runs[("dfs", 0)][name]
-        assert torch.allclose(p, q, rtol=0, atol=1e-9), f"dfs differs from packed on {name}"
+    for mode in ("dfs", "graphs"):
+        for name, p in runs[("packed", 0)].items():
+            q = runs[(mode, 0)][name]
+            assert torch.allclose(p, q, rtol=0, atol=1e-9), f"{mode} differs from packed on {name}"

@@ -7,6 +7,10 @@ per step, no sampling cost), so what is timed is TRL's training step: the policy
 loss and the backward, through ``TreeGRPOTrainer`` in ``tree_mode`` off (= ``trl.GRPOTrainer``),
 packed and dfs. Reports the median ``tree/fwd_bwd_time`` (training step minus generation) over
 the steps after the first, and the speed-up over stock.
+
+Several GPUs (DDP): ``accelerate launch --config_file examples/accelerate/multi_gpu.yaml -m
+trl_tree.bench.trainer ...`` — each process trains on its own GPU; rank 0 reports, and each mode
+records whether the ranks' parameters still agree after training (the gradients were averaged).
 """
 
 from __future__ import annotations
@@ -69,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
 
     results = {}
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # accelerate launch: one GPU per process
+    torch.cuda.set_device(device)
     for mode in args.modes.split(","):
         torch.manual_seed(0)
-        with torch.device("cuda"):  # initialised on the GPU: a 7B random init on the CPU takes minutes
+        with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode.removesuffix("+graphs"),
@@ -90,12 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = {"fwd_bwd_ms": round(statistics.median(times) * 1e3, 1), "steps_timed": len(times),
                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                          "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
-        print(mode, results[mode], flush=True)
+        processes = trainer.accelerator.num_processes
+        if processes > 1:  # DDP: every rank must end with the same parameters
+            fingerprint = torch.stack([p.detach().float().norm() for p in trainer.model.parameters()]).sum()
+            ranks = trainer.accelerator.gather(fingerprint.reshape(1))
+            results[mode] |= {"processes": processes, "ranks_agree": bool((ranks == ranks[0]).all())}
+        if trainer.accelerator.is_main_process:
+            print(mode, results[mode], flush=True)
         del trainer, model
         torch.cuda.empty_cache()
     if "off" in results:
         for mode, r in results.items():
             r["speedup_over_stock"] = round(results["off"]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
         "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)",

@@ -7,7 +7,9 @@ Three overrides, shared by both trainers:
   runs the tree engine on the rows' real tokens instead of the padded batch;
 * ``_prepare_inputs`` cuts the generation batch into micro-batches with a group-preserving shuffle
   (and, with ``tree_token_budget``, balanced by unique tokens) instead of TRL's row shuffle;
-* ``training_step`` also times the step without generation, logged as ``tree/fwd_bwd_time``.
+* ``training_step`` also times the step without generation, logged as ``tree/fwd_bwd_time``, and
+  averages the gradients by hand where the tree's backward did not run through DDP (see
+  ``_graphs_by_hand``).
 
 ``tree_mode="off"`` delegates every one of them to TRL (the timing metric aside).
 """
@@ -43,6 +45,7 @@ class TreeTrainerMixin:
         compile the layers where asked, start the step timers."""
         self._tree_step_seconds = 0.0
         self._tree_prepare_seconds = 0.0
+        self._tree_sync_pending = False
         self._check_tree_support()
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
@@ -69,6 +72,13 @@ class TreeTrainerMixin:
                 f"{name}: an entropy bonus (entropy_coef != 0 or adaptive entropy) needs the gradient of the "
                 "entropies, which the two-pass backward of tree_mode='dfs' / tree_token_budget does not route; use "
                 "tree_mode='packed' without tree_token_budget"
+            )
+        if args.tree_cuda_graphs and args.tree_mode != "dfs" and self.accelerator.distributed_type.value in (
+                "DEEPSPEED", "FSDP"):
+            raise ValueError(
+                f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
+                f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
+                "tree_cuda_graphs=False"
             )
         if two_pass and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(
@@ -103,8 +113,12 @@ class TreeTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch):
         self._tree_prepare_seconds = 0.0
+        self._tree_sync_pending = False
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
+            self._tree_sync_pending = False
+            self._sync_gradients(self.accelerator.unwrap_model(model))
         if loss.device.type == "cuda":
             torch.cuda.synchronize(loss.device)
         self._tree_step_seconds += time.perf_counter() - start - self._tree_prepare_seconds
@@ -140,8 +154,12 @@ class TreeTrainerMixin:
         calls = self._tree_calls(rows, None if differentiable else batch_size)
         forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        by_hand = differentiable and not two_pass and self._graphs_by_hand()
+        if by_hand:
+            self._tree_sync_pending = True
         with self.accelerator.autocast():
-            logps, entropies = self._score_calls(model, rows, calls, forests, compute_entropy, two_pass)
+            logps, entropies = self._score_calls(self.accelerator.unwrap_model(model) if by_hand else model, rows,
+                                                 calls, forests, compute_entropy, two_pass)
         if two_pass:
             target = self.accelerator.unwrap_model(model)
             logps, entropies = bridge(
@@ -150,6 +168,19 @@ class TreeTrainerMixin:
         if differentiable:
             self._log_forests(forests)
         return logps, entropies, None
+
+    def _graphs_by_hand(self) -> bool:
+        """Whether the policy's tree call runs on the unwrapped model, its gradients averaged by hand.
+
+        With ``tree_cuda_graphs`` and several processes: a replayed backward cannot run DDP's
+        gradient hooks (they would run only while capturing), so the call bypasses DDP's forward —
+        its eager fallback too, so that every rank takes the same path whatever it has captured —
+        and ``training_step`` averages the gradients at each synchronising step (``_sync_gradients``,
+        as the two-pass backward does): accumulated over the micro-steps, then averaged once, which
+        is what DDP's ``no_sync`` accumulation gives.
+        """
+        return (self.args.tree_cuda_graphs and self.args.tree_mode != "dfs"
+                and self.accelerator.num_processes > 1)
 
     def _tree_calls(self, rows: PaddedRows, batch_size: int | None) -> list[list[int]]:
         """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
