@@ -28,6 +28,15 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
 
 
+@pytest.fixture(params=[False, True], ids=["accumulate-grad", "autograd-grad"])
+def grad_handoff(request, monkeypatch):
+    """How the captured backward hands gradients to the buffers: autograd accumulating into them, or
+    ``torch.autograd.grad`` plus one add (the path under ``torch.distributed``, see
+    ``graphs.GRADS_BY_AUTOGRAD_GRAD``)."""
+    monkeypatch.setattr(graphs, "GRADS_BY_AUTOGRAD_GRAD", request.param)
+    return request.param
+
+
 def _model(checkpoint: str | None = "non-reentrant") -> torch.nn.Module:
     torch.manual_seed(0)
     model = tiny_model("qwen2", vocab_size=VOCAB)
@@ -49,7 +58,13 @@ def _graphed_backward(model, seqs, loss=weighted_loss, **kw) -> tuple[float, dic
 
 @pytest.mark.parametrize("checkpoint", [None, "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("seqs", [GROUP, TREE], ids=["grpo", "deep_tree"])
-def test_replayed_backward_matches_the_untreed_model(stand_in, checkpoint, seqs):
+def test_replayed_backward_matches_the_untreed_model(stand_in, grad_handoff, checkpoint, seqs):
+    if grad_handoff and checkpoint == "reentrant":
+        model = _model(checkpoint)
+        with pytest.raises(ValueError, match="reentrant gradient checkpointing does not support"):
+            for _ in range(2):
+                _graphed_backward(model, seqs)
+        return
     model = _model(checkpoint)
     model.zero_grad(set_to_none=True)
     ref_loss = untreed_backward(model, seqs, weighted_loss)
@@ -91,7 +106,7 @@ def test_the_loss_stays_eager(stand_in):
     assert _runner(model).captures == 1
 
 
-def test_replayed_gradients_accumulate_like_autograd(stand_in):
+def test_replayed_gradients_accumulate_like_autograd(stand_in, grad_handoff):
     """Gradient accumulation over micro-batches, ``zero_grad`` to None or in place, and a ``.grad``
     that is some other tensor: the same gradients as eager autograd in every case."""
     model = _model()

@@ -267,3 +267,27 @@ def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch):
     assert graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)].captures > 0
     with pytest.raises(ValueError, match="tree_cuda_graphs must be True or False"):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_cuda_graphs="yes")
+
+
+@pytest.mark.parametrize("wrapper", ["FSDP", "DEEPSPEED"])
+def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(wrapper):
+    """tree_cuda_graphs, tree_mode='dfs' and tree_token_budget average gradients by hand, which is
+    done for DDP; under FSDP/DeepSpeed they are refused at construction, with the field to change."""
+    from types import SimpleNamespace
+
+    from trl_tree.tiny import tiny_model
+    from trl_tree.trainers.mixin import TreeTrainerMixin
+
+    def check(**fields):
+        args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
+                                  **fields})
+        fake = SimpleNamespace(args=args, model=tiny_model(), accelerator=SimpleNamespace(
+            distributed_type=SimpleNamespace(value=wrapper)))
+        TreeTrainerMixin._check_tree_support(fake)
+
+    check()  # packed, no budget, no graphs: the wrapper's own backward runs
+    with pytest.raises(ValueError, match=f"tree_cuda_graphs .* not {wrapper}"):
+        check(tree_cuda_graphs=True)
+    for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}):
+        with pytest.raises(ValueError, match=f"tree_mode='dfs' and tree_token_budget .* not {wrapper}"):
+            check(**fields)

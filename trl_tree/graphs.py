@@ -33,9 +33,13 @@ repeat more often is not done yet.
 Rules a replay keeps (each checked, never a wrong number): the forward replayed last must be the
 one whose backward runs (the pool holds one step's activations), so the backward of an earlier
 graphed call after a later one's forward raises; models wrapped for DDP/FSDP and parameters with
-gradient hooks are refused (their hooks would run only while capturing). Cost in memory: the
-pool (one step's activations and the checkpoint recompute's temporaries, as in the eager step,
-kept between steps) plus one gradient-sized buffer per trainable parameter.
+gradient hooks are refused (their hooks would run only while capturing). Several processes: call
+the unwrapped model and average the gradients by hand, as the trainers do under DDP
+(``TreeTrainerMixin._graphs_by_hand``); there the captured calls run on views of the parameters
+(``GRADS_BY_AUTOGRAD_GRAD``), since DDP pins each parameter's AccumulateGrad node to the stream it
+was made on. Cost in memory: the pool (one step's activations and the checkpoint recompute's
+temporaries, as in the eager step, kept between steps) plus one gradient-sized buffer per
+trainable parameter (under several processes, the pool also holds the captured gradients).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +73,17 @@ SIGHTINGS_KEPT = 64
 WARMUP_RUNS = 2
 #: backends whose kernels a graph can hold (flex compiles its block mask on first use)
 GRAPH_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
+
+#: how a captured backward hands the parameters' gradients to their buffers: False — autograd
+#: accumulates into them (the buffers are ``.grad`` while capturing; no extra kernel); True — the
+#: captured calls run on views of the parameters (swapped into their modules for the forward and
+#: the backward, the checkpointed recompute included), ``torch.autograd.grad`` returns the views'
+#: gradients and one multi-tensor add puts them in the buffers. None: True where
+#: ``torch.distributed`` is initialised. Why: DDP keeps every parameter's AccumulateGrad node alive
+#: from its construction, tied to the stream it was made on; a captured backward that reaches such
+#: a node makes that stream wait on the capturing one, which CUDA refuses
+#: (``cudaErrorStreamCaptureImplicit``, seen with 2 GPUs); the views' gradients stop short of it.
+GRADS_BY_AUTOGRAD_GRAD: bool | None = None
 
 _WRAPPERS_REFUSED = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
 
@@ -129,7 +145,8 @@ def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Para
     if wrapper is not None:
         raise ValueError(
             f"cuda_graphs=True cannot run a model wrapped in {wrapper}: its gradient hooks and collectives would "
-            "run only while capturing. Use cuda_graphs=False with several processes")
+            "run only while capturing. Call the unwrapped model and average the gradients yourself (the trainers' "
+            "tree_cuda_graphs does so under DDP), or use cuda_graphs=False")
     if backend not in GRAPH_BACKENDS:
         raise ValueError(f"cuda_graphs=True runs the {', '.join(GRAPH_BACKENDS)} backends, not {backend!r}")
     for p in params:
@@ -191,6 +208,7 @@ class _GraphPair:
     forward: object = None
     backward: object = None
     generation: int = -1  # the runner's replay count at this pair's last forward
+    views: dict = field(default_factory=dict)  # id(parameter) -> the view the captured calls ran on (by views)
 
 
 @dataclass(eq=False)
@@ -268,6 +286,42 @@ class _ReplayedScores(torch.autograd.Function):
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _grads_by_autograd_grad() -> bool:
+    if GRADS_BY_AUTOGRAD_GRAD is not None:
+        return GRADS_BY_AUTOGRAD_GRAD
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _parameter_slots(modules: tuple[torch.nn.Module, ...], params: tuple[torch.nn.Parameter, ...]) -> list:
+    """Every ``(module, name, parameter)`` holding a trainable parameter (a tied one appears twice)."""
+    trainable = {id(p) for p in params}
+    seen, slots = set(), []
+    for m in modules:
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        slots += [(m, n, p) for n, p in m._parameters.items() if p is not None and id(p) in trainable]
+    return slots
+
+
+@contextmanager
+def _swapped_in(slots: list, views: dict):
+    """The modules hold ``views[id(parameter)]`` in place of their parameters meanwhile."""
+    for m, n, p in slots:
+        m._parameters[n] = views[id(p)]
+    try:
+        yield
+    finally:
+        for m, n, p in slots:
+            m._parameters[n] = p
+
+
+def _reentrant_checkpointing(modules: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether HF's checkpointing function of any layer is the reentrant kind."""
+    return any(getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", False)
+               for m in modules)
+
+
 def _runner(parts: ModelParts) -> GraphRunner:
     params = tuple(p for p in parts.causal_lm.parameters() if p.requires_grad)
     runner = _RUNNERS.get(parts.causal_lm)
@@ -294,6 +348,11 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
     ``keep`` whether the call keeps its attention outputs for the checkpointed recompute."""
     runner = _runner(parts)
     check_graphable(parts, backend, runner.params, runner.wrapper)
+    if checkpointing and _grads_by_autograd_grad() and _reentrant_checkpointing(runner.modules):
+        raise ValueError(
+            "cuda_graphs=True with several processes takes the gradients with torch.autograd.grad (see "
+            "graphs.GRADS_BY_AUTOGRAD_GRAD), which reentrant gradient checkpointing does not support; use "
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default) or cuda_graphs=False")
     signature = (backend, forest.num_unique_tokens, plan.num_predictions, with_entropy, float(temperature), keep,
                  checkpointing, torch.is_autocast_enabled(parts.device.type), _layout_signature(meta),
                  _module_state(runner.modules, runner.adapters))
@@ -327,12 +386,17 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
     install(parts.causal_lm.config._attn_implementation)
     meta = pair.meta
 
+    by_views = _grads_by_autograd_grad()
+    slots = _parameter_slots(runner.modules, runner.params) if by_views else []
+
     def forward() -> tuple:
         meta.calls = 0
         meta._cache.clear()  # masks built lazily from the static tensors: inside the graph, every replay
         meta.kept = KeptAttention(parts.num_layers) if keep else None
-        hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)
-        logp, ent = score_predictions(hidden, parts, pair.pred_src, pair.targets, temperature, with_entropy)
+        pair.views = {id(p): p.view_as(p) for p in runner.params} if by_views else {}
+        with _swapped_in(slots, pair.views):
+            hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)
+            logp, ent = score_predictions(hidden, parts, pair.pred_src, pair.targets, temperature, with_entropy)
         pair.live = (logp, ent) if with_entropy else (logp,)
         if pair.outputs:  # a stand-in's rerun: leave the values where a graph's replay would
             for static, new in zip(pair.outputs, pair.live):
@@ -341,6 +405,15 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
 
     def backward(into_buffers: bool = True) -> None:
         outputs = [(o, g) for o, g in zip(pair.live, pair.grad_outputs) if o.requires_grad]
+        if by_views:
+            with _swapped_in(slots, pair.views):  # the checkpointed recompute must meet the same views
+                grads = torch.autograd.grad([o for o, _ in outputs], [pair.views[id(p)] for p in runner.params],
+                                            [g for _, g in outputs], allow_unused=True)
+            if into_buffers:  # capturing: into the buffers; warming up: thrown away (they may hold gradients)
+                got = [(b, g) for b, g in zip(runner.grad_buffers, grads) if g is not None]
+                torch._foreach_add_([b for b, _ in got], [g for _, g in got])
+            meta.kept = None
+            return
         saved = [p.grad for p in runner.params]
         try:
             for p, b in zip(runner.params, runner.grad_buffers):
