@@ -4,9 +4,10 @@ Why: on small models the packed step waits on the host, not the GPU. At 0.5B a t
 ~5,000 kernels over only a few thousand unique tokens, and on the H200 machines each launch costs
 ~35-50 µs of Python, dispatcher and autograd time, so the GPU idles 40-60% of the step (notes §9,
 §13, §15). A CUDA graph replays the same kernels with one launch. Measured on an H200 (bf16, HF
-checkpointing, ``python -m trl_tree.bench.graphs``, notes §16): 0.5B GRPO group 174 → 152 ms,
-agentic tree 214 → 112 ms; 1.5B agentic tree 311 → 219 ms — within 3-7% of the GPU's own kernel
-time, the bound of what any host-side work could reach.
+checkpointing, ``python -m trl_tree.bench.graphs``, notes §16-17): 0.5B GRPO group 221 → 145 ms,
+agentic tree 207 → 100 ms; 1.5B agentic tree 311 → 219 ms — within 3-7% of the GPU's own kernel
+time, the bound of what any host-side work could reach (replayed calls also run the root split's
+dense blocks on cuDNN at head_dim 64, ``partial.CUDNN_GRAPHED_MIN_HEAD_DIM``).
 
 What is captured, per *layout signature* (every Python-level number the forward reads: token,
 node, key and prediction counts, the kernels' maximum lengths, the root split's shapes, the

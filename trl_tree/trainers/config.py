@@ -78,7 +78,7 @@ class TreeArguments:
         default=False,
         metadata={"help": "Replay CUDA graphs of the packed training forward and backward (trl_tree.graphs) for "
                   "micro-batch layouts seen before (captured at the second sighting; the loss stays eager). Pays "
-                  "where the host is the bottleneck — small models: a 0.5B agentic-tree step 214 -> 112 ms on an "
+                  "where the host is the bottleneck — small models: a 0.5B agentic-tree step 207 -> 100 ms on an "
                   "H200 — and only when layouts repeat (num_iterations > 1, fixed-length rollouts). Under DDP the call "
                   "runs outside the wrapper and the gradients are averaged by hand (not FSDP/DeepSpeed). Costs one "
                   "gradient-sized buffer and the graphs' activation pool."},
