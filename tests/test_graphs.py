@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 
 from trl_tree import PrefixForest, graphs, tree_backward, tree_logprobs
@@ -171,6 +173,7 @@ def test_a_backward_after_a_later_graphed_forward_is_refused(stand_in):
 
 def test_layouts_are_captured_at_their_second_sighting_and_evicted_lru(stand_in, monkeypatch):
     monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 2)
+    monkeypatch.setattr(graphs, "BUCKETS", False)  # exact layouts only (buckets: the tests below)
     model = _model()
     layouts = [grpo_group(8 + i, 4, 3, VOCAB, seed=i) for i in range(3)]
     for seqs in layouts:
@@ -275,3 +278,114 @@ def test_refusals(stand_in, monkeypatch):
     monkeypatch.setattr(graphs, "CPU_STAND_IN", None)
     with pytest.raises(ValueError, match="needs the model on a CUDA device"):
         tree_backward(model, TREE, weighted_loss, cuda_graphs=True)
+
+
+# ---------------------------------------------------------------- layouts padded to buckets
+
+
+def _free_length_group(prompt: int, lengths: list[int], seed: int) -> list[list[int]]:
+    """A GRPO group whose completions have free lengths (no two groups share a layout)."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(1, VOCAB, (prompt,), generator=g).tolist()
+    return [head + torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+FREE = [_free_length_group(40, [10, 14, 9, 12], 1), _free_length_group(40, [12, 11, 10, 13], 2),
+        _free_length_group(40, [13, 9, 12, 10], 3)]
+
+
+@pytest.fixture(params=["masked", "varlen"])
+def graph_backend(request, monkeypatch):
+    """The CPU's masked attention (sdpa), or the packed FlashAttention function's varlen path with the
+    math kernels standing in for FA2 (no dense pair: a bucketed layout never splits)."""
+    if request.param == "varlen":
+        from trl_tree import engine
+        from trl_tree.attention import backends, partial
+
+        monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+        monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
+        monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+        monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
+    return request.param
+
+
+def test_layouts_that_never_repeat_replay_their_bucket(stand_in, graph_backend):
+    """Free-length groups: no layout is seen twice, yet from the second call on they share the
+    graphs of one padded layout — and every call gives the untreed model's gradients."""
+    from trl_tree.attention.buckets import BucketedLayout
+
+    model = _model()
+    forests = [PrefixForest.from_sequences(seqs) for seqs in FREE]
+    pads = [BucketedLayout.pad(f, *(lambda p: (p.pred_src, f.tokens[p.pred_dst]))(f.scoring_plan(None))) for f in forests]
+    assert len({(p.tokens.shape, p.kv_index.shape, p.cu_seqlens_q.shape, p.pred_src.shape, p.max_seqlen_q,
+                 p.max_seqlen_k) for p in pads}) == 1, "the test groups must share a bucket"
+    assert len({(f.num_unique_tokens, f.kv_index.shape) for f in forests}) == 3
+    for call, seqs in enumerate(FREE):
+        model.zero_grad(set_to_none=True)
+        untreed_backward(model, seqs, weighted_loss)
+        ref = grads_of(model)
+        _, grads = _graphed_backward(model, seqs)
+        assert_grads_close(grads, ref)
+        runner = _runner(model)
+        assert runner.captures == (0 if call == 0 else 1), call
+    assert [sig[7] for sig in runner.pairs] == ["bucket"]
+    logps = tree_logprobs(model, FREE[0], cuda_graphs=True)  # a replay of the bucket: real predictions only
+    assert [len(lp) for lp in logps] == [len(s) - 1 for s in FREE[0]]
+    assert_logps_close(logps, tree_logprobs(model, FREE[0]))
+
+
+def test_a_repeating_layout_takes_its_own_graphs_first(stand_in):
+    """Fixed-length rollouts: the exact layout is captured at its second sighting (no padding)."""
+    model = _model()
+    for _ in range(3):
+        _graphed_backward(model, GROUP)
+    assert [sig[7] for sig in _runner(model).pairs] != ["bucket"] and _runner(model).captures == 1
+
+
+def test_buckets_only_pads_a_repeating_layout_too(stand_in, monkeypatch):
+    """``EXACT_LAYOUTS = False`` (how check_gpu checks the bucketed path on the GPU): the same group
+    replays its bucket's graphs, with the untreed model's gradients."""
+    monkeypatch.setattr(graphs, "EXACT_LAYOUTS", False)
+    model = _model()
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, GROUP, weighted_loss)
+    ref = grads_of(model)
+    for _ in range(3):
+        _, grads = _graphed_backward(model, GROUP)
+        assert_grads_close(grads, ref)
+    assert [sig[7] for sig in _runner(model).pairs] == ["bucket"] and _runner(model).captures == 1
+
+
+def test_bucket_rounding():
+    from trl_tree.attention.buckets import bucket
+
+    assert [bucket(n) for n in (1, 7, 16, 17, 100, 10_240, 10_241)] == [1, 7, 16, 18, 104, 10_240, 11_264]
+    for n in range(1, 5000):
+        b = bucket(n)
+        assert n <= b <= max(n, n * 9 // 8 + 1) and bucket(b) == b
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_padding_keeps_every_real_query_s_keys(seed):
+    """On random forests: the real segments are unchanged, pad segments are never empty and only
+    read pad rows, padded predictions read a pad row — whatever the bucket sizes."""
+    import numpy as np
+
+    from trl_tree.attention.buckets import BucketedLayout, bucket
+
+    forest = PrefixForest.from_sequences(random_tree(1 + seed % 12, VOCAB, max_len=30, seed=seed))
+    plan = forest.scoring_plan(None)
+    pad = BucketedLayout.pad(forest, plan.pred_src, forest.tokens[plan.pred_dst])
+    U, N, K, P = forest.num_unique_tokens, forest.num_nodes, forest.kv_index.shape[0], plan.num_predictions
+    U_b, N_b, K_b = pad.tokens.shape[0], pad.cu_seqlens_q.shape[0] - 1, pad.kv_index.shape[0]
+    assert (U_b, N_b, K_b, pad.pred_src.shape[0]) == (bucket(U + N_b - N), bucket(N + 1), bucket(K + U_b - U), bucket(P))
+    assert np.array_equal(pad.cu_seqlens_q[: N + 1], forest.cu_seqlens_q)
+    assert np.array_equal(pad.cu_seqlens_k[: N + 1], forest.cu_seqlens_k)
+    assert np.array_equal(pad.kv_index[:K], forest.kv_index) and np.array_equal(pad.tokens[:U], forest.tokens)
+    q_len, k_len = np.diff(pad.cu_seqlens_q)[N:], np.diff(pad.cu_seqlens_k)[N:]
+    assert (q_len >= 1).all() and (k_len >= q_len).all()
+    assert pad.cu_seqlens_q[-1] == U_b and pad.cu_seqlens_k[-1] == K_b
+    assert (pad.kv_index[K:] >= U).all() and (pad.kv_index < U_b).all()
+    assert pad.max_seqlen_q >= max(np.diff(pad.cu_seqlens_q)) and pad.max_seqlen_k >= max(np.diff(pad.cu_seqlens_k))
+    assert np.array_equal(pad.pred_src[:P], plan.pred_src) and (pad.pred_src[P:] == U).all()

@@ -239,7 +239,8 @@ def _score(
         backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
         meta = tree_metadata(parts, forest, backend, graphed=True)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
-                                targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts))
+                                targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts),
+                                bucketed=_bucketed_inputs(parts, forest, plan, backend))
         if scores is None and meta.dense != dense_blocks(parts, backend):
             meta = None
     if scores is None:
@@ -247,6 +248,21 @@ def _score(
         scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
     logp, ent = scores
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
+
+
+def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, backend: str):
+    """What makes the call's inputs padded to buckets (``attention/buckets.py``) when a graph needs
+    them, or None where padding could change an outcome: a sliding-window model (a padded maximum
+    length could pass its window and be refused where the real one is not)."""
+    if getattr(parts.causal_lm.config, "sliding_window", None):
+        return None
+    from .attention.buckets import BucketedLayout
+
+    def make():
+        layout = BucketedLayout.pad(forest, plan.pred_src, forest.tokens[plan.pred_dst])
+        return layout.to_device(parts.device, backend)
+
+    return make
 
 
 def _check_cuda_graphs(cuda_graphs: bool, mode: str) -> None:

@@ -61,8 +61,13 @@ from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts
 
-#: graph pairs kept per model (least recently used dropped first); all share one memory pool
-GRAPH_CACHE_SIZE = 4
+#: graph pairs kept per model (least recently used dropped first); all share one memory pool, so
+#: a pair costs its static buffers, not a step's activations (free-length runs use several buckets)
+GRAPH_CACHE_SIZE = 8
+#: replay a layout that does not repeat from the graphs of its bucket (``attention/buckets.py``)
+BUCKETS = True
+#: capture a layout's own graphs when it repeats (False: buckets only — how ``check_gpu`` checks them)
+EXACT_LAYOUTS = True
 #: capture a layout at this sighting (the first ones run eagerly): a layout seen once is not worth
 #: a capture, which costs a warm-up step plus the capture itself
 CAPTURE_AT_SIGHTING = 2
@@ -340,13 +345,19 @@ def _runner(parts: ModelParts) -> GraphRunner:
 def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, backend: str, temperature: float,
                    with_entropy: bool, tokens: torch.Tensor, pred_src: torch.Tensor, targets: torch.Tensor,
                    meta: TreeAttentionMetadata, keep: bool, checkpointing: bool,
+                   bucketed: Callable[[], tuple] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-prediction log-probs (and entropies), ``plan.pred_src`` order, from a replayed graph pair;
-    None when this layout is not (yet) captured — the caller then runs the eager call.
+    None when neither this layout nor its bucket is (yet) captured — the caller then runs eagerly.
 
     ``tokens``, ``pred_src``, ``targets`` and ``meta`` are the call's arrays and tree metadata,
     already on the device (a capture keeps them as its static inputs; a replay copies them in);
-    ``keep`` whether the call keeps its attention outputs for the checkpointed recompute."""
+    ``keep`` whether the call keeps its attention outputs for the checkpointed recompute;
+    ``bucketed`` makes the same call's inputs padded to buckets (``attention/buckets.py``:
+    ``(tokens, pred_src, targets, meta)``). Which graphs serve, in this order: the layout's own, if
+    captured; its bucket's, if captured; the layout's own, captured now at its second sighting
+    (fixed-length rollouts, ``num_iterations > 1``); its bucket's, captured now at the bucket's
+    second sighting (free-length completions of similar sizes); else none."""
     runner = _runner(parts)
     check_graphable(parts, backend, runner.params, runner.wrapper)
     if checkpointing and _grads_by_autograd_grad() and _reentrant_checkpointing(runner.modules):
@@ -354,29 +365,50 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
             "cuda_graphs=True with several processes takes the gradients with torch.autograd.grad (see "
             "graphs.GRADS_BY_AUTOGRAD_GRAD), which reentrant gradient checkpointing does not support; use "
             "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default) or cuda_graphs=False")
-    signature = (backend, forest.num_unique_tokens, plan.num_predictions, with_entropy, float(temperature), keep,
-                 checkpointing, torch.is_autocast_enabled(parts.device.type), _layout_signature(meta),
-                 _module_state(runner.modules, runner.adapters))
-    pair = runner.pairs.get(signature)
+    state = (backend, with_entropy, float(temperature), keep, checkpointing,
+             torch.is_autocast_enabled(parts.device.type), _module_state(runner.modules, runner.adapters))
+    inputs = (tokens, pred_src, targets, meta)
+    signature = (*state, forest.num_unique_tokens, plan.num_predictions, _layout_signature(meta))
+    pair = runner.pairs.get(signature) if EXACT_LAYOUTS else None
+    padded = bucket_signature = None
+    if pair is None and bucketed is not None and BUCKETS:
+        padded = bucketed()
+        bucket_signature = (*state, "bucket", padded[0].shape[0], padded[1].shape[0], _layout_signature(padded[3]))
+        pair = runner.pairs.get(bucket_signature)
+        if pair is not None:
+            signature, inputs = bucket_signature, padded
     if pair is None:
-        seen = runner.sightings.pop(signature, 0) + 1
-        if seen < CAPTURE_AT_SIGHTING or not runner.params:
-            runner.sightings[signature] = seen
-            while len(runner.sightings) > SIGHTINGS_KEPT:
-                runner.sightings.popitem(last=False)
+        if EXACT_LAYOUTS and _sighted(runner, signature):
+            pair = _capture(runner, parts, _GraphPair(*inputs), temperature, with_entropy, keep)
+        elif padded is not None and _sighted(runner, bucket_signature):
+            signature, inputs = bucket_signature, padded
+            pair = _capture(runner, parts, _GraphPair(*inputs), temperature, with_entropy, keep)
+        else:
             return None
-        pair = _capture(runner, parts, _GraphPair(tokens, pred_src, targets, meta), temperature, with_entropy, keep)
         runner.pairs[signature] = pair
         while len(runner.pairs) > GRAPH_CACHE_SIZE:
             runner.pairs.popitem(last=False)
     else:
         runner.pairs.move_to_end(signature)
-        pair.tokens.copy_(tokens)
-        pair.pred_src.copy_(pred_src)
-        pair.targets.copy_(targets)
-        _copy_layout(pair.meta, meta)
+        for static, new in zip((pair.tokens, pair.pred_src, pair.targets), inputs[:3]):
+            static.copy_(new)
+        _copy_layout(pair.meta, inputs[3])
     out = _ReplayedScores.apply(runner, pair, *runner.params)
-    return out[0], (out[1] if with_entropy else None)
+    P = plan.num_predictions  # a bucket's padded predictions are cut off here (their gradient is zero)
+    logp = out[0] if out[0].shape[0] == P else out[0][:P]
+    ent = (out[1] if out[1].shape[0] == P else out[1][:P]) if with_entropy else None
+    return logp, ent
+
+
+def _sighted(runner: GraphRunner, signature: tuple) -> bool:
+    """Count a sighting of an uncaptured ``signature``; True when it is due for capture."""
+    seen = runner.sightings.pop(signature, 0) + 1
+    if seen >= CAPTURE_AT_SIGHTING and runner.params:
+        return True
+    runner.sightings[signature] = seen
+    while len(runner.sightings) > SIGHTINGS_KEPT:
+        runner.sightings.popitem(last=False)
+    return False
 
 
 def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperature: float, with_entropy: bool,

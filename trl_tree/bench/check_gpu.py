@@ -45,7 +45,8 @@ def _errors(logps, grads, ref_logps, ref_grads) -> dict[str, float]:
     return {"logp_max_abs": float(diffs.max()), "logp_mean_abs": float(diffs.mean()), "grad_rel": (num / den) ** 0.5}
 
 
-def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str | bool = False, graphs=False):
+def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str | bool = False,
+         graphs: bool | str = False):
     model.zero_grad(set_to_none=True)
     if checkpointed:  # HF gradient checkpointing, as TRL trains: the kept attention outputs are used
         reentrant = checkpointed == "reentrant"
@@ -63,11 +64,18 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
     kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
     with engine.layout_choices(root_split=root_split):
         if graphs:  # eager at the first call, captured at the second, checked on a replay
-            for _ in range(3):
-                model.zero_grad(set_to_none=True)
-                tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=True)
-            grads = _grads(model)
-            logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=True)  # the same graphs, replayed
+            from .. import graphs as graph_module
+
+            # "buckets": the layout padded to buckets (attention/buckets.py), as free-length rollouts replay
+            saved, graph_module.EXACT_LAYOUTS = graph_module.EXACT_LAYOUTS, graphs != "buckets"
+            try:
+                for _ in range(3):
+                    model.zero_grad(set_to_none=True)
+                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=True)
+                grads = _grads(model)
+                logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=True)  # the same graphs, replayed
+            finally:
+                graph_module.EXACT_LAYOUTS = saved
             return [lp.detach() for lp in logps], grads
         with torch.no_grad():
             logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
@@ -79,7 +87,8 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     """(backend, mode, root split, checkpointed, graphs, label): every backend packed and dfs; the
     packed FlashAttention path whole and split at the roots (``attention/root_split.py``), split under
     gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
-    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds)."""
+    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds), and
+    replaying the graphs of the layout padded to buckets (``attention/buckets.py``)."""
     paths = []
     for b in BACKENDS:
         if b in PARTIAL_KERNELS:
@@ -89,6 +98,7 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
                           (b, "packed", True, False, graphs, f"packed/{b}+split{tag}"),
                           (b, "packed", True, True, graphs, f"packed/{b}+split+ckpt{tag}")]
             paths.append((b, "packed", True, "reentrant", True, f"packed/{b}+split+ckpt-reentrant+graphs"))
+            paths.append((b, "packed", None, True, "buckets", f"packed/{b}+ckpt+graphs+buckets"))
         else:
             paths.append((b, "packed", None, False, False, f"packed/{b}"))
     return paths + [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="off,packed,dfs",
                         help="tree_mode values; a mode+graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True")
+    parser.add_argument("--free-lengths", action="store_true",
+                        help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
+                             "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
     parser.add_argument("--out", default=None)
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
@@ -65,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in prompts:
             ids = cache.setdefault(p, rng.integers(2, config.vocab_size, args.prompt).tolist())
             out["prompt_ids"].append(ids)
-            out["completion_ids"].append(rng.integers(2, config.vocab_size, args.completion).tolist())
-            out["logprobs"].append([0.0] * args.completion)
+            n = int(rng.integers(args.completion // 2, args.completion + 1)) if args.free_lengths else args.completion
+            out["completion_ids"].append(rng.integers(2, config.vocab_size, n).tolist())
+            out["logprobs"].append([0.0] * n)
         return out
 
     def reward(completions, **kwargs):
@@ -113,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
         "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)",
-        "group": args.group, "prompt": args.prompt, "completion": args.completion}, "results": results})
+        "group": args.group, "prompt": args.prompt, "completion": args.completion,
+        "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
+        "results": results})
     return 0
 
 
