@@ -283,3 +283,41 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
     assert all(n_seg == 2 for *_, n_seg in calls)  # one segment each
     assert all(nq == nk for causal, nq, nk, _ in calls if causal)
     assert all(min(nq, nk) >= 2 for _, nq, nk, _ in calls)
+
+
+def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatch):
+    """A dense pair that plans each new shape (cuDNN, ``partial.PLANNED_DENSE``) runs a unit's prefix
+    and block only for shapes seen ``DENSE_AT_SIGHTING - 1`` times before — free-length rollouts,
+    where no shape repeats, never pay a plan — and keeps one choice across the unit's layers,
+    recompute and backward. Exact both ways."""
+    from trl_tree.attention import partial
+    from trl_tree.dfs import walk
+
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
+    calls = []
+
+    def counting(*args):
+        calls.append(args[7])
+        return partial.math_partial_forward(*args)
+
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)
+    monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
+    monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+    seqs = [list(range(1, 9)) + [20 + i] * (3 + i) for i in range(3)]  # units of distinct shapes
+    ref = untreed_logprobs(qwen2, seqs)
+    assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), ref)
+    first = len(calls)
+    for _ in range(partial.DENSE_AT_SIGHTING - 1):
+        calls.clear()
+        assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), ref)
+    assert len(calls) > first and len(calls) % qwen2.config.num_hidden_layers == 0
+    model = tiny_model("llama")
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, seqs, weighted_loss)
+    expected = grads_of(model)
+    for _ in range(partial.DENSE_AT_SIGHTING):  # unseen, then seen: the backward agrees with the forward's choice
+        model.zero_grad(set_to_none=True)
+        tree_backward(model, seqs, weighted_loss, mode="dfs", chunk_size=6)
+        assert_grads_close(grads_of(model), expected)

@@ -52,9 +52,9 @@ def _runner(model) -> graphs.GraphRunner:
     return graphs._RUNNERS[model]
 
 
-def _graphed_backward(model, seqs, loss=weighted_loss, **kw) -> tuple[float, dict]:
+def _graphed_backward(model, seqs, loss=weighted_loss, cuda_graphs=True, **kw) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
-    value = tree_backward(model, seqs, loss, cuda_graphs=True, **kw)
+    value = tree_backward(model, seqs, loss, cuda_graphs=cuda_graphs, **kw)
     return value, grads_of(model)
 
 
@@ -256,7 +256,7 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
 
 def test_refusals(stand_in, monkeypatch):
     model = _model()
-    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+    with pytest.raises(TypeError, match="cuda_graphs must be True, False or 'buckets'"):
         tree_logprobs(model, GROUP, cuda_graphs="yes")
     with pytest.raises(ValueError, match="mode='dfs'"):
         tree_backward(model, GROUP, weighted_loss, mode="dfs", cuda_graphs=True)
@@ -324,12 +324,15 @@ def test_layouts_that_never_repeat_replay_their_bucket(stand_in, graph_backend):
         model.zero_grad(set_to_none=True)
         untreed_backward(model, seqs, weighted_loss)
         ref = grads_of(model)
-        _, grads = _graphed_backward(model, seqs)
+        _, grads = _graphed_backward(model, seqs, cuda_graphs="buckets")
         assert_grads_close(grads, ref)
         runner = _runner(model)
         assert runner.captures == (0 if call == 0 else 1), call
     assert [sig[7] for sig in runner.pairs] == ["bucket"]
-    logps = tree_logprobs(model, FREE[0], cuda_graphs=True)  # a replay of the bucket: real predictions only
+    for seed in (4, 5, 6):  # cuda_graphs=True: exact layouts only, and these never repeat
+        _graphed_backward(model, _free_length_group(40, [20 + seed, 11, 12, 10], seed))
+    assert runner.captures == 1
+    logps = tree_logprobs(model, FREE[0], cuda_graphs="buckets")  # a replay of the bucket: real predictions only
     assert [len(lp) for lp in logps] == [len(s) - 1 for s in FREE[0]]
     assert_logps_close(logps, tree_logprobs(model, FREE[0]))
 
@@ -338,7 +341,7 @@ def test_a_repeating_layout_takes_its_own_graphs_first(stand_in):
     """Fixed-length rollouts: the exact layout is captured at its second sighting (no padding)."""
     model = _model()
     for _ in range(3):
-        _graphed_backward(model, GROUP)
+        _graphed_backward(model, GROUP, cuda_graphs="buckets")
     assert [sig[7] for sig in _runner(model).pairs] != ["bucket"] and _runner(model).captures == 1
 
 
@@ -351,7 +354,7 @@ def test_buckets_only_pads_a_repeating_layout_too(stand_in, monkeypatch):
     untreed_backward(model, GROUP, weighted_loss)
     ref = grads_of(model)
     for _ in range(3):
-        _, grads = _graphed_backward(model, GROUP)
+        _, grads = _graphed_backward(model, GROUP, cuda_graphs="buckets")
         assert_grads_close(grads, ref)
     assert [sig[7] for sig in _runner(model).pairs] == ["bucket"] and _runner(model).captures == 1
 

@@ -153,6 +153,36 @@ def test_one_tree_runs_its_root_block_and_rectangle_dense(qwen2, monkeypatch):
     assert calls == []  # a 12-token root is below the dense pair's minimum block
 
 
+def test_planned_dense_blocks_wait_for_their_shape_s_third_sighting(qwen2, monkeypatch):
+    """A dense pair that plans each new shape (cuDNN, ``partial.PLANNED_DENSE``) runs a split's blocks
+    only for shapes seen ``DENSE_AT_SIGHTING - 1`` times before: a free-length GRPO group, whose
+    shapes never repeat, is not split on it (the rule then decides as without a dense pair), nor
+    one seen twice (``num_iterations = 2``); the same group a third time is. Exact both ways."""
+    _math_backend(monkeypatch, dense=False)
+    calls = []
+
+    def counting(*args):
+        calls.append(args[7])
+        return partial.math_partial_forward(*args)
+
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
+    monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
+    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    seqs = grpo_group(12, 4, 3, VOCAB)
+    check_exact(qwen2, seqs, "math")  # check_exact runs the model more than once: count from here
+    monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
+    calls.clear()
+    for _ in range(partial.DENSE_AT_SIGHTING - 1):
+        tree_logprobs(qwen2, seqs)
+        assert calls == []  # earlier sightings: varlen
+    tree_logprobs(qwen2, seqs)
+    assert sorted(calls) == [False] * qwen2.config.num_hidden_layers + [True] * qwen2.config.num_hidden_layers
+    calls.clear()
+    tree_logprobs(qwen2, grpo_group(12, 5, 3, VOCAB))  # another shape: varlen again
+    assert calls == []
+
+
 def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):
     """HF gradient checkpointing re-runs the split attention in backward; still exact."""
     monkeypatch.setattr(engine, "ROOT_SPLIT", True)

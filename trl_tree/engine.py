@@ -207,9 +207,13 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
 
 def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed: bool = False) -> TreeAttentionMetadata:
     """The forest's packed-layout metadata on the model's device, with the engine's layout choices
-    (``graphed``: those of a call replayed from a CUDA graph, see :func:`dense_blocks`)."""
+    (``graphed``: those of a call replayed from a CUDA graph, see :func:`dense_blocks`; an eager
+    call takes cuDNN only for dense shapes it has seen before, ``partial.dense_shape_seen``)."""
+    config = parts.causal_lm.config
+    dense_key = None if graphed else (parts.head_dim, str(parts.compute_dtype), config.num_attention_heads,
+                                      getattr(config, "num_key_value_heads", None))
     return TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
-                                             dense=dense_blocks(parts, backend, graphed))
+                                             dense=dense_blocks(parts, backend, graphed), dense_key=dense_key)
 
 
 def _score(
@@ -221,15 +225,16 @@ def _score(
     return_entropy: bool,
     extra: tuple[np.ndarray, ...] = (),
     keep_attention: bool | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order), and the
     ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
     ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
     (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
-    eager call runs on the same uploaded arrays and metadata — rebuilt only where a graph would run
-    other kernels than an eager call (``dense_blocks``), so that eager calls keep the eager choice."""
+    eager call runs on the same uploaded arrays and metadata — rebuilt where a graph may run other
+    kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so that eager
+    calls keep the eager choice."""
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
     meta = scores = None
@@ -240,8 +245,8 @@ def _score(
         meta = tree_metadata(parts, forest, backend, graphed=True)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
                                 targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts),
-                                bucketed=_bucketed_inputs(parts, forest, plan, backend))
-        if scores is None and meta.dense != dense_blocks(parts, backend):
+                                bucketed=_bucketed_inputs(parts, forest, plan, backend) if cuda_graphs == "buckets" else None)
+        if scores is None and meta.dense:
             meta = None
     if scores is None:
         hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
@@ -265,9 +270,9 @@ def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan,
     return make
 
 
-def _check_cuda_graphs(cuda_graphs: bool, mode: str) -> None:
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+def _check_cuda_graphs(cuda_graphs: bool | str, mode: str) -> None:
+    if not isinstance(cuda_graphs, bool) and cuda_graphs != "buckets":
+        raise TypeError(f"cuda_graphs must be True, False or 'buckets', got {cuda_graphs!r}")
     if cuda_graphs and mode == "dfs":
         raise ValueError("cuda_graphs=True replays packed calls; the depth-first walk (mode='dfs') runs eagerly")
 
@@ -327,7 +332,7 @@ def tree_logprobs(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | str = False,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -346,7 +351,10 @@ def tree_logprobs(
     gradient checkpointing, keep the packed attention's outputs for the recompute (faster, one
     hidden-sized tensor per token and layer more; None: ``engine.KEEP_ATTENTION``, on by default).
     ``cuda_graphs=True``: a packed call that builds a graph (grad enabled) replays CUDA graphs of its
-    forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default).
+    forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default);
+    ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
+    graphs of their layout padded to buckets (``attention/buckets.py``; pays where the host is the
+    bound — small models — and costs the padding elsewhere).
     """
     _check_mode(mode)
     _check_temperature(temperature)
@@ -385,7 +393,7 @@ def tree_backward(
     keep_graph: bool | None = None,
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | str = False,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 

@@ -16,7 +16,7 @@ import torch
 from .._device import upload
 from ..forest import PrefixForest
 from .kept import KeptAttention
-from .partial import PARTIAL_KERNELS
+from .partial import PARTIAL_KERNELS, dense_shape_seen
 from .root_split import RootSplit, RootSplitLayout
 
 #: keyword argument of ``model(...)`` that carries a :class:`TreeAttentionMetadata`
@@ -99,15 +99,22 @@ class TreeAttentionMetadata:
 
     @classmethod
     def from_forest(cls, forest: PrefixForest, device: torch.device, backend: str,
-                    root_split: bool | None = None, dense: bool = False) -> TreeAttentionMetadata:
+                    root_split: bool | None = None, dense: bool = False,
+                    dense_key: tuple | None = None) -> TreeAttentionMetadata:
         """Upload the forest's layout (two copies, ``_device.upload``). ``root_split``: split the
         attention at the roots (True), never (False), or where it pays (None, :func:`use_root_split`;
         ``dense``: whether a dense kernel will run the single-segment parts); only backends with
         partial kernels (``attention/partial.py``, i.e. ``torch_flash``) run it; the split's blocks then
-        run on the dense pair only where ``dense``."""
+        run on the dense pair only where ``dense``. ``dense_key`` (the model's heads and dtype): count
+        the split's dense shapes under it and take the dense pair only for shapes seen before
+        (``partial.dense_shape_seen``: cuDNN plans every new shape); None: no counting (a CUDA graph
+        plans its shapes once, at capture)."""
         layout = None
         if backend in PARTIAL_KERNELS and root_split is not False:
             layout = RootSplitLayout.from_forest(forest)
+            if layout is not None and dense and dense_key is not None:
+                dense = dense_shape_seen(backend, ("split", forest.num_unique_tokens, layout.root_rows,
+                                                   layout.rect_max_seqlen_q, layout.rect_max_seqlen_k, *dense_key))
             if layout is not None and root_split is None and not use_root_split(forest, layout, dense):
                 layout = None
         longs = upload([forest.subtree_end, forest.position_ids, forest.kv_index], torch.int64, device)

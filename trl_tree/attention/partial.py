@@ -24,6 +24,8 @@ Kernel pairs share one contract (varlen layout ``q [n, H, D]``, ``k``/``v [m, Hk
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 
@@ -193,6 +195,32 @@ CUDNN_GRAPHED_MIN_HEAD_DIM = 64
 #: fewest query and key rows a part needs to go to the dense pair (cuDNN refuses 1 x 1 blocks,
 #: and a block smaller than a tile gains nothing from a second kernel)
 DENSE_MIN_ROWS = 64
+
+
+#: backends whose dense pair plans each new shape before running it: cuDNN builds an execution plan
+#: per shape, ~150 ms per step for a 1.5B model's root block and rectangle (forward and backward),
+#: measured on free-length GRPO groups, where no shape repeats (notes §17)
+PLANNED_DENSE = {"torch_flash"}
+#: such a pair runs a shape from this sighting on (the first ones take the varlen pair): a shape
+#: that never comes back is never planned, nor one seen twice (GRPO's ``num_iterations = 2``: a
+#: plan for one more call costs more than it saves; fixed shapes pay from their third call)
+DENSE_AT_SIGHTING = 3
+#: dense shapes remembered (least recently seen forgotten first)
+DENSE_SHAPES_KEPT = 4096
+_DENSE_SHAPES: OrderedDict = OrderedDict()
+
+
+def dense_shape_seen(backend: str, key: tuple) -> bool:
+    """Count a sighting of the dense blocks ``key`` (their shapes, heads, dtype); whether the dense
+    pair should run them now: always for a pair without plans, from the ``DENSE_AT_SIGHTING``-th
+    sighting for one that plans each shape (``PLANNED_DENSE``)."""
+    if backend not in PLANNED_DENSE:
+        return True
+    seen = _DENSE_SHAPES.pop(key, 0) + 1
+    _DENSE_SHAPES[key] = seen
+    while len(_DENSE_SHAPES) > DENSE_SHAPES_KEPT:
+        _DENSE_SHAPES.popitem(last=False)
+    return seen >= DENSE_AT_SIGHTING
 
 
 def dense_pair(backend: str, q_rows: int | None = None, k_rows: int | None = None):

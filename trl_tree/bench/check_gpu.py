@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from .. import engine, tree_backward, tree_logprobs
 from ..attention.backends import BACKENDS, backend_available
+from ..attention import partial
 from ..attention.partial import PARTIAL_KERNELS
 from ..dfs.walk import DFS_BACKENDS
 from ..reference import untreed_backward, untreed_logprobs
@@ -69,11 +70,12 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
             # "buckets": the layout padded to buckets (attention/buckets.py), as free-length rollouts replay
             saved, graph_module.EXACT_LAYOUTS = graph_module.EXACT_LAYOUTS, graphs != "buckets"
             try:
+                kind = "buckets" if graphs == "buckets" else True
                 for _ in range(3):
                     model.zero_grad(set_to_none=True)
-                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=True)
+                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind)
                 grads = _grads(model)
-                logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=True)  # the same graphs, replayed
+                logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=kind)  # the same graphs, replayed
             finally:
                 graph_module.EXACT_LAYOUTS = saved
             return [lp.detach() for lp in logps], grads
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("check_gpu needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    partial.DENSE_AT_SIGHTING = 1  # every cuDNN block from its first call: this checks numbers, not plan costs
 
     results, ok_all = [], True
     for heads, paths in ((2, _paths()), (4, [p for p in _paths() if p[4]])):

@@ -19,9 +19,12 @@ from ..model_parts import head_dim_of
 
 
 def time_cuda(
-    fn: Callable[[], object], warmup: int = 2, iters: int = 5, reset: Callable[[], object] | None = None
+    fn: Callable[[], object], warmup: int = 3, iters: int = 5, reset: Callable[[], object] | None = None
 ) -> tuple[float, float, float]:
     """Median milliseconds of ``fn`` over ``iters`` (≥ 2) runs after ``warmup``, and two peaks (GiB).
+
+    Three warm-up runs by default: an eager packed step takes cuDNN for a dense shape from its third
+    sighting (``partial.DENSE_AT_SIGHTING``), whose plan must be built before the timed runs.
 
     ``peak``: above what is allocated after ``reset`` (pass one that drops the gradients, e.g.
     ``model.zero_grad(set_to_none=True)``) during the first timed run: the step's gradients,

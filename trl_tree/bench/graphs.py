@@ -58,7 +58,7 @@ def compare_dense_heads(model, step, eager_grads, trl_ms: float, limit: float, r
         for _ in range(rounds):
             for v in variants:
                 partial.CUDNN_GRAPHED_MIN_HEAD_DIM = v
-                times[v].append(time_cuda(step, warmup=2, iters=5, reset=reset)[0])
+                times[v].append(time_cuda(step, iters=5, reset=reset)[0])
         for v in variants:
             partial.CUDNN_GRAPHED_MIN_HEAD_DIM = v
             reset()

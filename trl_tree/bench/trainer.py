@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="off,packed,dfs",
-                        help="tree_mode values; a mode+graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True")
+                        help="tree_mode values; +graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True, "
+                             "+buckets tree_cuda_graph_buckets=True")
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         cfg = TreeGRPOConfig(
-            output_dir=tempfile.mkdtemp(), tree_mode=mode.removesuffix("+graphs"),
-            tree_cuda_graphs=mode.endswith("+graphs"), max_steps=args.steps, per_device_train_batch_size=args.group,
+            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0],
+            tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps, per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,

@@ -28,7 +28,7 @@ import torch
 from .._device import upload
 from ..attention.backends import masked_attention, to_varlen
 from ..attention.metadata import tree_visibility
-from ..attention.partial import PARTIAL_KERNELS, dense_kernels, merge_partials
+from ..attention.partial import PARTIAL_KERNELS, dense_kernels, dense_shape_seen, merge_partials
 from ..forest import PrefixForest
 from .plan import Unit, unit_layout
 
@@ -91,6 +91,7 @@ class UnitAttentionMetadata:
     subtree_end: torch.Tensor  # [n] unit-relative, for the explicit mask of the reference backends
     one_segment: bool = False  # the unit is one node: its own part is a single causal segment
     calls: int = 0
+    pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -147,12 +148,21 @@ def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling):
 
 def _kernel_pairs(meta: UnitAttentionMetadata, q: torch.Tensor):
     """(own part, prefix part) kernel pairs: the cached prefix is one dense rectangle and a
-    one-node unit one causal block — both run on the dense pair (cuDNN) where it runs here."""
-    varlen = PARTIAL_KERNELS[meta.backend]
-    n, d = meta.num_tokens, meta.depth
-    own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n) if meta.one_segment else None
-    prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d) if d else None
-    return own or varlen, prefix or varlen
+    one-node unit one causal block — both run on the dense pair (cuDNN) where it runs here and
+    has seen the shape before (``partial.dense_shape_seen``: cuDNN plans every new shape). Chosen
+    at the unit's first layer, so every layer, the recompute and the backward use the same pairs."""
+    if meta.pairs is None:
+        varlen = PARTIAL_KERNELS[meta.backend]
+        n, d = meta.num_tokens, meta.depth
+        model = (*q.shape[1:], str(q.dtype))
+        own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n) if meta.one_segment else None
+        prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d) if d else None
+        if own is not None and not dense_shape_seen(meta.backend, ("unit", n, *model)):
+            own = None
+        if prefix is not None and not dense_shape_seen(meta.backend, ("prefix", n, d, *model)):
+            prefix = None
+        meta.pairs = (own or varlen, prefix or varlen)
+    return meta.pairs
 
 
 def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:

@@ -200,7 +200,8 @@ class TreeTrainerMixin:
             chunk_size=self.args.tree_chunk_size,
             memory_budget=self.args.tree_memory_budget,
             keep_attention=self.args.tree_keep_attention,
-            cuda_graphs=self.args.tree_cuda_graphs and self.args.tree_mode != "dfs",
+            cuda_graphs=(("buckets" if self.args.tree_cuda_graph_buckets else True)
+                         if self.args.tree_cuda_graphs and self.args.tree_mode != "dfs" else False),
         )
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
