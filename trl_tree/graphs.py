@@ -30,8 +30,8 @@ training run whose micro-batches never repeat a layout (GRPO with free-length co
 only that bookkeeping and never captures; layouts that repeat — fixed-length rollouts, an agent
 whose turns have fixed shapes, the benchmarks — replay. With ``cuda_graphs="buckets"`` a layout
 that does not repeat replays the graphs of its layout padded to buckets (``attention/buckets.py``):
-free-length GRPO at 0.5B 250 → 162 ms per Trainer step; at 1.5B the padding costs more than the
-host time it saves (301 → 324 ms), hence opt-in (notes §17).
+free-length GRPO at 0.5B 193–251 → 153–162 ms per Trainer step (H200, two hosts); at 1.5B the
+padding costs more than the host time it saves (290 → 323 ms), hence opt-in (notes §17).
 
 Rules a replay keeps (each checked, never a wrong number): the forward replayed last must be the
 one whose backward runs (the pool holds one step's activations), so the backward of an earlier

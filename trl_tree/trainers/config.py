@@ -89,7 +89,7 @@ class TreeArguments:
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
                   "replay the graphs of their layout padded to buckets (up to 12.5% more tokens, keys and "
                   "predictions; trl_tree/attention/buckets.py). Pays where the host is the bound: free-length "
-                  "GRPO on an H200, 0.5B 250 -> 162 ms per step; at 1.5B the padding costs more (301 -> 324 ms)."},
+                  "GRPO on an H200, 0.5B 193-251 -> 153-162 ms per step; at 1.5B the padding costs more (290 -> 323 ms)."},
     )
 
     def _check_tree_fields(self) -> None:
