@@ -142,3 +142,23 @@ def test_non_softmax_layers_are_refused():
     assert isinstance(model.config, Qwen2Config)
     with pytest.raises(ValueError, match="linear_attention layers"):
         tree_logprobs(model, [[1, 2, 3]])
+
+
+def test_a_peft_adapter_on_the_lm_head_is_refused():
+    """LoRA on the LM head would be left out of the scores (the head is scored from its weight
+    matrix): refused with the fix named; a head trained whole (``modules_to_save``) is exact."""
+    from conftest import assert_logps_close
+    from peft import LoraConfig, get_peft_model
+
+    from trl_tree.reference import untreed_logprobs
+
+    seqs = [[1, 2, 3, 4], [1, 2, 5]]
+    lora = get_peft_model(tiny_model("qwen2"), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="LM head carries a PEFT adapter"):
+        tree_logprobs(lora, seqs)
+    saved = get_peft_model(tiny_model("qwen2"), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        saved.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # differs from the original
+    assert_logps_close(tree_logprobs(saved, seqs), untreed_logprobs(saved, seqs))
+    with saved.disable_adapter():
+        assert_logps_close(tree_logprobs(saved, seqs), untreed_logprobs(saved, seqs))

@@ -392,3 +392,32 @@ def test_padding_keeps_every_real_query_s_keys(seed):
     assert (pad.kv_index[K:] >= U).all() and (pad.kv_index < U_b).all()
     assert pad.max_seqlen_q >= max(np.diff(pad.cu_seqlens_q)) and pad.max_seqlen_k >= max(np.diff(pad.cu_seqlens_k))
     assert np.array_equal(pad.pred_src[:P], plan.pred_src) and (pad.pred_src[P:] == U).all()
+
+
+def test_views_handoff_with_lora_adapters(stand_in, monkeypatch):
+    """The views path (several processes) swaps views into PEFT's LoRA layers and into the trained
+    copy of a ``modules_to_save`` LM head too: their gradients equal the eager ones, the frozen base
+    gets none."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(graphs, "GRADS_BY_AUTOGRAD_GRAD", True)
+    torch.manual_seed(0)
+    base = tiny_model("qwen2", vocab_size=VOCAB)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    tree_backward(model, TREE, weighted_loss)
+    ref = grads_of(model)
+    assert ref and all("lora_" in name or "modules_to_save" in name for name in ref)
+    assert any("modules_to_save" in name for name in ref)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        tree_backward(model, TREE, weighted_loss, cuda_graphs=True)
+        assert_grads_close(grads_of(model), ref)
+    assert graphs._RUNNERS[model.get_base_model()].captures == 1
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())  # swapped back

@@ -70,7 +70,8 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
     """Validate ``model`` for the tree engine and return its parts.
 
     Raises ``TypeError`` for a module that is not a transformers causal LM and ``ValueError`` for
-    one whose attention the tree cannot reproduce exactly (linear/recurrent/chunked layers).
+    one whose attention the tree cannot reproduce exactly (linear/recurrent/chunked layers) or whose
+    LM head carries a PEFT adapter (the head is scored from its weight matrix).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module holding a transformers causal LM, got {type(model).__name__}")
@@ -92,6 +93,12 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
     lm_head = causal_lm.get_output_embeddings()
+    if hasattr(lm_head, "base_layer"):  # a PEFT tuner layer (LoRA, IA3, ...) wrapped around the head
+        raise ValueError(
+            f"the LM head carries a PEFT adapter ({type(lm_head).__name__}: 'lm_head' in target_modules); the tree "
+            "engine scores predictions from the head's weight matrix (TRL's fused head) and would leave the adapter "
+            "out. Leave lm_head out of target_modules, or train it whole with modules_to_save=['lm_head']"
+        )
     vocab = causal_lm.get_input_embeddings().num_embeddings
     return ModelParts(
         outer=model,
