@@ -284,10 +284,11 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
 
     def check(**fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
-                                  **fields})
-        fake = SimpleNamespace(args=args, model=tiny_model(), accelerator=SimpleNamespace(
-            distributed_type=SimpleNamespace(value=wrapper)))
-        TreeTrainerMixin._check_tree_support(fake)
+                                  "tree_cuda_graph_buckets": False, **fields})
+        fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
+        fake.args, fake.model = args, tiny_model()
+        fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper))
+        fake._check_tree_support()
 
     check()  # packed, no budget, no graphs: the wrapper's own backward runs
     with pytest.raises(ValueError, match=f"tree_cuda_graphs .* not {wrapper}"):

@@ -235,8 +235,9 @@ def _score(
     eager call runs on the same uploaded arrays and metadata — rebuilt where a graph may run other
     kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so that eager
     calls keep the eager choice."""
+    host_targets = forest.tokens[plan.pred_dst]
     tokens, pred_src, targets, gather, *extra_t = upload(
-        [forest.tokens, plan.pred_src, forest.tokens[plan.pred_dst], plan.gather, *extra], torch.int64, parts.device)
+        [forest.tokens, plan.pred_src, host_targets, plan.gather, *extra], torch.int64, parts.device)
     meta = scores = None
     if cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None:
         from .graphs import graphed_scores
@@ -245,7 +246,8 @@ def _score(
         meta = tree_metadata(parts, forest, backend, graphed=True)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
                                 targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts),
-                                bucketed=_bucketed_inputs(parts, forest, plan, backend) if cuda_graphs == "buckets" else None)
+                                bucketed=(_bucketed_inputs(parts, forest, plan.pred_src, host_targets, backend)
+                                          if cuda_graphs == "buckets" else None))
         if scores is None and meta.dense:
             meta = None
     if scores is None:
@@ -255,7 +257,8 @@ def _score(
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
 
 
-def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, backend: str):
+def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, pred_src: np.ndarray, targets: np.ndarray,
+                     backend: str):
     """What makes the call's inputs padded to buckets (``attention/buckets.py``) when a graph needs
     them, or None where padding could change an outcome: a sliding-window model (a padded maximum
     length could pass its window and be refused where the real one is not)."""
@@ -264,8 +267,7 @@ def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan,
     from .attention.buckets import BucketedLayout
 
     def make():
-        layout = BucketedLayout.pad(forest, plan.pred_src, forest.tokens[plan.pred_dst])
-        return layout.to_device(parts.device, backend)
+        return BucketedLayout.pad(forest, pred_src, targets).to_device(parts.device, backend)
 
     return make
 

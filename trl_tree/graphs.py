@@ -381,13 +381,11 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
         if pair is not None:
             signature, inputs = bucket_signature, padded
     if pair is None:
-        if EXACT_LAYOUTS and _sighted(runner, signature):
-            pair = _capture(runner, parts, _GraphPair(*inputs), temperature, with_entropy, keep)
-        elif padded is not None and _sighted(runner, bucket_signature):
+        if not (EXACT_LAYOUTS and _sighted(runner, signature)):
+            if padded is None or not _sighted(runner, bucket_signature):
+                return None
             signature, inputs = bucket_signature, padded
-            pair = _capture(runner, parts, _GraphPair(*inputs), temperature, with_entropy, keep)
-        else:
-            return None
+        pair = _capture(runner, parts, _GraphPair(*inputs), temperature, with_entropy, keep)
         runner.pairs[signature] = pair
         while len(runner.pairs) > GRAPH_CACHE_SIZE:
             runner.pairs.popitem(last=False)
@@ -398,9 +396,7 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
         _copy_layout(pair.meta, inputs[3])
     out = _ReplayedScores.apply(runner, pair, *runner.params)
     P = plan.num_predictions  # a bucket's padded predictions are cut off here (their gradient is zero)
-    logp = out[0] if out[0].shape[0] == P else out[0][:P]
-    ent = (out[1] if out[1].shape[0] == P else out[1][:P]) if with_entropy else None
-    return logp, ent
+    return out[0][:P], (out[1][:P] if with_entropy else None)
 
 
 def _sighted(runner: GraphRunner, signature: tuple) -> bool:

@@ -159,8 +159,8 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     Split, the parts are: each node against its path below the root (varlen), the rectangle of
     every query below a root against the root's keys, merged by log-sum-exp; and, when the forest
     is one tree and a dense kernel runs here (cuDNN, ``partial.dense_kernels``; decided in
-    ``meta.dense``), the root's own causal block apart — the rectangle and the root block are then single dense segments run on
-    cuDNN. Each part's backward is handed the *merged* output and log-sum-exp.
+    ``meta.dense``), the root's own causal block apart — the rectangle and the root block are then
+    single dense segments run on cuDNN. Each part's backward is handed the *merged* output and log-sum-exp.
     """
 
     @staticmethod

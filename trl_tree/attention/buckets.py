@@ -7,9 +7,9 @@ micro-batches have the same layout and nothing would ever replay. Rounded up to 
 same padded layout and replay one pair of graphs.
 
 Counts go up by 1/8 octave; the kernels' maximum segment lengths up to a power of two (they only
-size the kernels' grids). How the padding stays exact: the forest's own segments are kept as they are (whole root paths
-through the varlen kernel; the root split is not used, its dense blocks' shapes would be more
-numbers to bucket). Pad tokens come after the forest's tokens and form segments of their own —
+size the kernels' grids). How the padding stays exact: the forest's own segments are kept as they
+are (whole root paths through the varlen kernel; the root split is not used, its dense blocks'
+shapes would be more numbers to bucket). Pad tokens come after the forest's tokens and form segments of their own —
 single-row segments to fill the segment count, and one last segment that takes the remaining pad
 rows and as many keys as the key count needs (its first pad row repeated, then its own rows:
 causal attention over finite values). Every real query sees exactly its keys; pad rows are finite

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         cfg = TreeGRPOConfig(
             output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0],
-            tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps, per_device_train_batch_size=args.group,
+            tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps,
+            per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,

@@ -83,7 +83,6 @@ class TreeArguments:
                   "runs outside the wrapper and the gradients are averaged by hand (not FSDP/DeepSpeed). Costs one "
                   "gradient-sized buffer and the graphs' activation pool."},
     )
-
     tree_cuda_graph_buckets: bool = field(
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "

@@ -73,8 +73,7 @@ class TreeTrainerMixin:
                 "entropies, which the two-pass backward of tree_mode='dfs' / tree_token_budget does not route; use "
                 "tree_mode='packed' without tree_token_budget"
             )
-        if args.tree_cuda_graphs and args.tree_mode != "dfs" and self.accelerator.distributed_type.value in (
-                "DEEPSPEED", "FSDP"):
+        if self._cuda_graphs() and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(
                 f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
@@ -179,8 +178,14 @@ class TreeTrainerMixin:
         as the two-pass backward does): accumulated over the micro-steps, then averaged once, which
         is what DDP's ``no_sync`` accumulation gives.
         """
-        return (self.args.tree_cuda_graphs and self.args.tree_mode != "dfs"
-                and self.accelerator.num_processes > 1)
+        return bool(self._cuda_graphs()) and self.accelerator.num_processes > 1
+
+    def _cuda_graphs(self) -> bool | str:
+        """The engine's ``cuda_graphs`` for this trainer's packed calls: False (off, or dfs mode, which
+        never replays), True, or ``"buckets"`` (``tree_cuda_graph_buckets``)."""
+        if not self.args.tree_cuda_graphs or self.args.tree_mode == "dfs":
+            return False
+        return "buckets" if self.args.tree_cuda_graph_buckets else True
 
     def _tree_calls(self, rows: PaddedRows, batch_size: int | None) -> list[list[int]]:
         """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
@@ -200,8 +205,7 @@ class TreeTrainerMixin:
             chunk_size=self.args.tree_chunk_size,
             memory_budget=self.args.tree_memory_budget,
             keep_attention=self.args.tree_keep_attention,
-            cuda_graphs=(("buckets" if self.args.tree_cuda_graph_buckets else True)
-                         if self.args.tree_cuda_graphs and self.args.tree_mode != "dfs" else False),
+            cuda_graphs=self._cuda_graphs(),
         )
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
