@@ -169,14 +169,15 @@ def test_keep_attention_argument_overrides_the_engine_default(flash_path_on_cpu,
 
 def test_trainer_config_passes_keep_attention():
     """``tree_keep_attention`` reaches every engine call of the trainers (through ``_mode_kwargs``)."""
-    from types import SimpleNamespace
-
-    from trl_tree.trainers import TreeGRPOConfig, TreeGRPOTrainer
+    from trl_tree.trainers import TreeGRPOConfig
+    from trl_tree.trainers.mixin import TreeTrainerMixin
 
     cpu = dict(output_dir="/tmp/unused", use_cpu=True, bf16=False)
     assert TreeGRPOConfig(**cpu).tree_keep_attention is True
     config = TreeGRPOConfig(**cpu, tree_keep_attention=False)
-    kwargs = TreeGRPOTrainer._mode_kwargs(SimpleNamespace(args=config, temperature=1.0))
+    trainer = TreeTrainerMixin()  # the mixin's own method, on a stand-in trainer's fields
+    trainer.args, trainer.temperature = config, 1.0
+    kwargs = trainer._mode_kwargs()
     assert kwargs["keep_attention"] is False
     with pytest.raises(ValueError, match="tree_keep_attention must be True or False"):
         TreeGRPOConfig(**cpu, tree_keep_attention=None)
