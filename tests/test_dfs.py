@@ -179,7 +179,7 @@ def split_attention_on_cpu(request, monkeypatch):
     math = (partial.math_partial_forward, partial.math_partial_backward)
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", math)
     if request.param:
-        monkeypatch.setitem(partial.DENSE_KERNELS, "math", math)
+        monkeypatch.setitem(partial.DENSE_KERNELS, "math", (partial.math_dense_forward, partial.math_dense_backward))
         monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
 
@@ -272,9 +272,9 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
 
     def counting(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         calls.append((causal, q.shape[0], k.shape[0], cu_q.numel()))
-        return partial.math_partial_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return partial.math_dense_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
-    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)  # one-token units stay varlen (cuDNN refuses 1 x 1)
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
     seqs = WORKLOADS["grpo_group"]
@@ -298,9 +298,9 @@ def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatc
 
     def counting(*args):
         calls.append(args[7])
-        return partial.math_partial_forward(*args)
+        return partial.math_dense_forward(*args)
 
-    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)
     monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())

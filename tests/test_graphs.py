@@ -231,10 +231,10 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
 
     def counting(*args):
         dense_calls.append(args[7])
-        return partial.math_partial_forward(*args)
+        return partial.math_dense_forward(*args)
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
-    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
     monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
     monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")

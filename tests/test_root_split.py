@@ -22,12 +22,13 @@ CPU = torch.device("cpu")
 
 
 MATH = (partial.math_partial_forward, partial.math_partial_backward)
+MATH_DENSE = (partial.math_dense_forward, partial.math_dense_backward)  # causal aligned top-left, as cuDNN
 
 
 def _math_backend(mp: pytest.MonkeyPatch, dense: bool) -> None:
     mp.setitem(partial.PARTIAL_KERNELS, "math", MATH)
     if dense:  # single-segment parts (root block, rectangle) through the dense slot, as cuDNN runs them
-        mp.setitem(partial.DENSE_KERNELS, "math", MATH)
+        mp.setitem(partial.DENSE_KERNELS, "math", MATH_DENSE)
     mp.setattr(partial, "DENSE_MIN_ROWS", 1)  # the tiny test trees' blocks count as dense
     mp.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
     mp.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
@@ -131,20 +132,21 @@ def test_flash_path_random_forests(qwen2, seqs, split, dense):
 
 
 def test_one_tree_runs_its_root_block_and_rectangle_dense(qwen2, monkeypatch):
-    """With a dense pair, one tree's root block and rectangle go through it (two calls per layer
-    forward), every other part through the varlen pair; a forest of two trees does not."""
+    """With a dense pair, one tree's root block and rectangle go through it as one call per layer
+    forward (every query against the root's keys, causal aligned top-left), every other part
+    through the varlen pair; a forest of two trees does not."""
     _math_backend(monkeypatch, dense=False)
     calls = []
 
     def counting(*args):
-        calls.append(args[7])  # causal flag
-        return partial.math_partial_forward(*args)
+        calls.append((args[7], args[0].shape[0], args[1].shape[0]))  # causal flag, query and key rows
+        return partial.math_dense_forward(*args)
 
-    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(engine, "ROOT_SPLIT", True)
     tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB))
     layers = qwen2.config.num_hidden_layers
-    assert sorted(calls) == [False] * layers + [True] * layers  # rectangle (non-causal), root block (causal)
+    assert calls == [(True, 12 + 4 * 3, 12)] * layers  # all 24 packed queries against the 12-token root
     calls.clear()
     tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB, num_prompts=2))
     assert calls == []  # two trees: the rectangles are gathered, varlen
@@ -163,9 +165,9 @@ def test_planned_dense_blocks_wait_for_their_shape_s_third_sighting(qwen2, monke
 
     def counting(*args):
         calls.append(args[7])
-        return partial.math_partial_forward(*args)
+        return partial.math_dense_forward(*args)
 
-    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
     monkeypatch.setattr(engine, "ROOT_SPLIT", True)
@@ -177,7 +179,7 @@ def test_planned_dense_blocks_wait_for_their_shape_s_third_sighting(qwen2, monke
         tree_logprobs(qwen2, seqs)
         assert calls == []  # earlier sightings: varlen
     tree_logprobs(qwen2, seqs)
-    assert sorted(calls) == [False] * qwen2.config.num_hidden_layers + [True] * qwen2.config.num_hidden_layers
+    assert calls == [True] * qwen2.config.num_hidden_layers  # root block and rectangle: one call a layer
     calls.clear()
     tree_logprobs(qwen2, grpo_group(12, 5, 3, VOCAB))  # another shape: varlen again
     assert calls == []

@@ -99,9 +99,9 @@ class _Attended(NamedTuple):
     """One forward of the packed FlashAttention function: what its backward needs besides q, k, v."""
 
     out: torch.Tensor  # [U, H, D]
-    lse: tuple[torch.Tensor, ...]  # [H, U] fp32, natural log; one tree: (root rows, the rest), each contiguous
+    lse: tuple[torch.Tensor, ...]  # [H, U] fp32, natural log; one tree: (every row, the rows below the root)
     states: tuple  # the kernels' per-part RNG states (no dropout here, but their backward takes them)
-    one_tree: bool  # split with the root block and rectangle on the dense kernel
+    one_tree: bool  # split with the root block and rectangle in one call of the dense kernel
     rect_on_dense: bool  # split, several trees: the rectangle on the dense kernel
     dense: tuple | None  # the dense kernel pair, if any
 
@@ -114,20 +114,18 @@ def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float) -> _Attended:
     if split is not None and meta.dense:  # a dense pair for the rectangle (and, one tree, the root block)
         dense = dense_pair(meta.backend, split.rect_max_seqlen_q, split.root_rows or split.rect_max_seqlen_k)
     if dense is not None and split.root_rows is not None:
+        # every query against the root's keys, causal aligned top-left: the root's own causal block and
+        # the rectangle below it in one call (partial.cudnn_dense_forward)
         R, dense_fwd = split.root_rows, dense[0]
-        o_root, l_root, s_root = dense_fwd(q[:R], k[:R], v[:R], split.root_cu_seqlens, split.root_cu_seqlens,
-                                           R, R, True, scale)
-        kv_index = split.path_kv_index[R:]
-        out, lse, state = varlen(q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index),
+        whole, l_all, s_all = dense_fwd(q, k[:R], v[:R], None, None, q.shape[0], R, True, scale)  # one segment: no cu
+        below = split.nodes_kv_index  # each node's path below the root: rows [R, U) only
+        k_nodes, v_nodes = k[R:], v[R:]
+        out, lse, state = varlen(q[R:], k_nodes.index_select(0, below), v_nodes.index_select(0, below),
                                  split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k, split.nodes_max_seqlen_q,
                                  split.nodes_max_seqlen_k, True, scale)
-        o_rect, l_rect, s_rect = dense_fwd(q[R:], k[:R], v[:R], split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
-                                           split.rect_max_seqlen_q, R, False, scale)
-        whole = torch.empty_like(q)  # the merge writes below the root in place: no concatenation
-        whole[:R] = o_root
-        _, lse = merge_partials(o_rect, l_rect, out, lse, out=whole[R:])
-        # the two LSE parts stay apart: the kernels' backwards read each contiguously
-        return _Attended(whole, (l_root, lse), (s_root, state, s_rect), True, False, dense)
+        _, lse = merge_partials(whole[R:], l_all[:, R:], out, lse, out=whole[R:])  # in place: no concatenation
+        l_all[:, R:] = lse  # the dense backward reads every row's final LSE; the varlen one its own rows, contiguous
+        return _Attended(whole, (l_all, lse), (s_all, state), True, False, dense)
     kv_index, cu_k, max_k = _path_keys(meta)
     out, lse, state = varlen(q, k.index_select(0, kv_index), v.index_select(0, kv_index), meta.cu_seqlens_q,
                              cu_k, meta.max_seqlen_q, max_k, True, scale)
@@ -159,8 +157,10 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     Split, the parts are: each node against its path below the root (varlen), the rectangle of
     every query below a root against the root's keys, merged by log-sum-exp; and, when the forest
     is one tree and a dense kernel runs here (cuDNN, ``partial.dense_kernels``; decided in
-    ``meta.dense``), the root's own causal block apart — the rectangle and the root block are then
-    single dense segments run on cuDNN. Each part's backward is handed the *merged* output and log-sum-exp.
+    ``meta.dense``), every packed query against the root's keys in one dense call whose causal mask
+    is aligned top-left — the root's own causal block and the rectangle below it together, so the
+    root's key gradients come out of one kernel, summed there. Each part's backward is handed the
+    *merged* output and log-sum-exp.
     """
 
     @staticmethod
@@ -189,28 +189,22 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
         n = k.shape[0]
         if ctx.one_tree:
             R, dense = split.root_rows, ctx.dense[1]
-            s_root, state, s_rect = ctx.states
-            l_root, l_nodes = lse_parts
-            g_nodes, o_nodes = grad_out[R:], out[R:]
-            dq_root, dk_root, dv_root = dense(grad_out[:R], q[:R], k[:R], v[:R], out[:R], l_root,
-                                              s_root, split.root_cu_seqlens, split.root_cu_seqlens, R, R, True, scale)
-            kv_index = split.path_kv_index[R:]
-            dq, dkg, dvg = varlen(g_nodes, q[R:], k.index_select(0, kv_index), v.index_select(0, kv_index), o_nodes,
-                                  l_nodes, state, split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k,
+            s_all, state = ctx.states
+            l_all, l_nodes = lse_parts
+            # the root's keys get their whole gradient from the one dense call (summed in the kernel)
+            dq_all, dk_root, dv_root = dense(grad_out, q, k[:R], v[:R], out, l_all, s_all, None, None, q.shape[0], R,
+                                             True, scale)
+            below = split.nodes_kv_index
+            k_nodes, v_nodes = k[R:], v[R:]
+            dq, dkg, dvg = varlen(grad_out[R:], q[R:], k_nodes.index_select(0, below), v_nodes.index_select(0, below),
+                                  out[R:], l_nodes, state, split.nodes_cu_seqlens_q, split.nodes_cu_seqlens_k,
                                   split.nodes_max_seqlen_q, split.nodes_max_seqlen_k, True, scale)
-            dq_rect, dk_rect, dv_rect = dense(g_nodes, q[R:], k[:R], v[:R], o_nodes, l_nodes, s_rect,
-                                              split.rect_cu_seqlens_q, split.rect_cu_seqlens_k,
-                                              split.rect_max_seqlen_q, R, False, scale)
-            # two partial dq per row: one sum, one rounding (as in fp32 then cast), no fp32 copies
-            dq_all = torch.empty_like(q)
-            dq_all[:R] = dq_root
-            torch.add(dq, dq_rect, out=dq_all[R:])
-            dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
-            dk[:R] += dk_root
-            dk[:R] += dk_rect
-            dv[:R] += dv_root
-            dv[:R] += dv_rect
-            return dq_all, dk.to(q.dtype), dv.to(q.dtype), None, None, None
+            dq_all[R:] += dq  # a row's two partial dq: one sum, one rounding (as in fp32 then cast)
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            dk[:R], dv[:R] = dk_root, dv_root
+            dk[R:] = _scatter_sum_rows_fp32(dkg, below, n - R)  # the rows below: gathered per node, summed in fp32
+            dv[R:] = _scatter_sum_rows_fp32(dvg, below, n - R)
+            return dq_all, dk, dv, None, None, None
         state, s_rect = ctx.states
         (lse,) = lse_parts
         kv_index, cu_k, max_k = _path_keys(meta)

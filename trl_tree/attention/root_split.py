@@ -13,6 +13,10 @@ attention is two partial attentions over disjoint keys, merged by log-sum-exp
 - *paths*: each node against its root path minus the root (causal, bottom-right aligned: the
   node's queries are still the last keys of its trimmed path); a root against itself.
 
+When the forest is one tree and the dense kernel (cuDNN) runs, the root's causal block and its
+rectangle are one call: every packed query against the root's keys, the causal mask aligned
+top-left (the root's rows see the keys up to their own, the rows below see them all).
+
 Every query sees the same keys as before, exactly once: the result is exact, only the order of
 the floating-point sums changes (as between any two attention kernels).
 """
@@ -48,6 +52,9 @@ class RootSplitLayout:
     nodes_cu_seqlens_k: np.ndarray  # ... and of their keys: path_kv_index[R:]
     nodes_max_seqlen_q: int
     nodes_max_seqlen_k: int
+    #: one tree: the non-root nodes' key rows, counted from row R (they never reach into the root,
+    #: so their gathers and gradient sums cover rows [R, U) only)
+    nodes_kv_index: np.ndarray
 
     @property
     def rect_q_span(self) -> tuple[int, int] | None:
@@ -107,6 +114,7 @@ class RootSplitLayout:
             nodes_cu_seqlens_k=(path_cu_k[1:] - R).astype(np.int32) if one_tree else np.zeros(0, np.int32),
             nodes_max_seqlen_q=int(forest.node_length[1:].max()) if one_tree else 0,
             nodes_max_seqlen_k=int(keep_len[1:].max()) if one_tree else 0,
+            nodes_kv_index=path_kv_index[R:] - R if one_tree else np.zeros(0, np.int64),
         )
 
 
@@ -125,17 +133,17 @@ class RootSplitLayout:
         return float(((padded - rows) * keys).sum() / max(1, int((rows * keys).sum())))
 
     def to_device(self, device: torch.device) -> RootSplit:
-        longs = upload([self.path_kv_index, self.rect_q_rows, self.rect_k_rows], torch.int64, device)
-        root_cu = np.array([0, self.root_rows or 0])
-        ints = upload([self.path_cu_seqlens_k, self.rect_cu_seqlens_q, self.rect_cu_seqlens_k, root_cu,
+        longs = upload([self.path_kv_index, self.rect_q_rows, self.rect_k_rows, self.nodes_kv_index], torch.int64,
+                       device)
+        ints = upload([self.path_cu_seqlens_k, self.rect_cu_seqlens_q, self.rect_cu_seqlens_k,
                        self.nodes_cu_seqlens_q, self.nodes_cu_seqlens_k], torch.int32, device)
         return RootSplit(
             path_kv_index=longs[0], path_cu_seqlens_k=ints[0], path_max_seqlen_k=self.path_max_seqlen_k,
             rect_cu_seqlens_q=ints[1], rect_cu_seqlens_k=ints[2], rect_max_seqlen_q=self.rect_max_seqlen_q,
             rect_max_seqlen_k=self.rect_max_seqlen_k, queries=_Rows(self.rect_q_span, longs[1]),
-            keys=_Rows(self.rect_k_span, longs[2]), root_rows=self.root_rows, root_cu_seqlens=ints[3],
-            nodes_cu_seqlens_q=ints[4], nodes_cu_seqlens_k=ints[5], nodes_max_seqlen_q=self.nodes_max_seqlen_q,
-            nodes_max_seqlen_k=self.nodes_max_seqlen_k,
+            keys=_Rows(self.rect_k_span, longs[2]), root_rows=self.root_rows,
+            nodes_cu_seqlens_q=ints[3], nodes_cu_seqlens_k=ints[4], nodes_max_seqlen_q=self.nodes_max_seqlen_q,
+            nodes_max_seqlen_k=self.nodes_max_seqlen_k, nodes_kv_index=longs[3],
         )
 
 
@@ -180,11 +188,11 @@ class RootSplit:
     queries: _Rows  # every query below a split root
     keys: _Rows  # those roots' tokens
     root_rows: int | None = None  # one tree: its root is packed rows [0, R)
-    root_cu_seqlens: torch.Tensor | None = None  # [0, R]
     nodes_cu_seqlens_q: torch.Tensor | None = None
     nodes_cu_seqlens_k: torch.Tensor | None = None
     nodes_max_seqlen_q: int = 0
     nodes_max_seqlen_k: int = 0
+    nodes_kv_index: torch.Tensor | None = None  # one tree: the nodes' key rows from row R
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
