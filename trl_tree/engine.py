@@ -23,7 +23,7 @@ from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetad
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
-from .model_parts import ModelParts, capture_last_hidden_state, model_parts
+from .model_parts import ModelParts, activation_checkpointing, capture_last_hidden_state, model_parts
 
 MODES = ("packed", "dfs", "auto")
 
@@ -317,10 +317,8 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
 
 
 def _checkpointing(parts: ModelParts) -> bool:
-    model = parts.causal_lm
-    # transformers 5.x renames the flag (the old name warns); older versions only have the old one
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    return bool(getattr(model, flag, False))
+    """Whether the model recomputes its layers in backward (HF activation checkpointing)."""
+    return activation_checkpointing(parts.causal_lm)
 
 
 def tree_logprobs(

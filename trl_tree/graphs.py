@@ -61,7 +61,7 @@ from .attention.kept import KeptAttention
 from .attention.metadata import TreeAttentionMetadata
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
-from .model_parts import ModelParts
+from .model_parts import ModelParts, trainable_parameters
 
 #: graph pairs kept per model (least recently used dropped first); all share one memory pool, so
 #: a pair costs its static buffers, not a step's activations (free-length runs use several buckets)
@@ -332,7 +332,7 @@ def _reentrant_checkpointing(modules: tuple[torch.nn.Module, ...]) -> bool:
 
 
 def _runner(parts: ModelParts) -> GraphRunner:
-    params = tuple(p for p in parts.causal_lm.parameters() if p.requires_grad)
+    params = trainable_parameters(parts.causal_lm)
     runner = _RUNNERS.get(parts.causal_lm)
     if runner is None or len(runner.params) != len(params) or any(a is not b for a, b in zip(runner.params, params)):
         runner = GraphRunner(params)
