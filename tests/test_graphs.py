@@ -241,15 +241,22 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     monkeypatch.setattr(engine, "dense_blocks", lambda parts, backend, graphed=False: graphed)
     monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    from trl_tree.attention import metadata
+
+    uploads = []
+    real_upload = metadata.upload
+    monkeypatch.setattr(metadata, "upload", lambda arrays, *a: uploads.append(len(arrays)) or real_upload(arrays, *a))
     model = _model()
     model.zero_grad(set_to_none=True)
     untreed_backward(model, GROUP, weighted_loss)
     ref = grads_of(model)
     for call in range(3):  # eager (first sighting), capture, replay
         dense_calls.clear()
+        uploads.clear()
         _, grads = _graphed_backward(model, GROUP)
         assert_grads_close(grads, ref)
         assert bool(dense_calls) == (call > 0), call
+        assert len(uploads) == 2  # the forest's arrays went up once: the eager call's metadata shares them
     pair = next(iter(_runner(model).pairs.values()))
     assert pair.meta.dense and _runner(model).captures == 1
 

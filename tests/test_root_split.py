@@ -205,3 +205,21 @@ def test_layout_choices_restore_what_was_set_before():
             raise RuntimeError("step failed")
         assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (False, True)
     assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (True, None)
+
+
+def test_metadata_with_other_choices_shares_the_uploaded_arrays():
+    """``rechosen`` (an eager call after a graphed one that did not replay): the same forest's
+    arrays, the split kept where both choices split, dropped where the new one does not, uploaded
+    where only the new one splits."""
+    forest = PrefixForest.from_sequences(grpo_group(12, 4, 3, VOCAB))
+    split = TreeAttentionMetadata.from_forest(forest, CPU, "torch_flash", root_split=True, dense=True)
+    plain = TreeAttentionMetadata.from_forest(forest, CPU, "torch_flash", root_split=False)
+    again = split.rechosen(forest, root_split=True, dense=False)
+    assert again.root_split is split.root_split and not again.dense and split.dense
+    assert again.kv_index is split.kv_index and again.subtree_end is split.subtree_end
+    assert split.rechosen(forest, root_split=False).root_split is None
+    added = plain.rechosen(forest, root_split=True)
+    assert added.root_split is not None and added.kv_index is plain.kv_index
+    fresh = TreeAttentionMetadata.from_forest(forest, CPU, "torch_flash", root_split=True)
+    for name in ("path_kv_index", "rect_cu_seqlens_q", "nodes_kv_index"):
+        torch.testing.assert_close(getattr(added.root_split, name), getattr(fresh.root_split, name))

@@ -205,15 +205,19 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 
-def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed: bool = False) -> TreeAttentionMetadata:
+def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed: bool = False,
+                  rechoose: TreeAttentionMetadata | None = None) -> TreeAttentionMetadata:
     """The forest's packed-layout metadata on the model's device, with the engine's layout choices
     (``graphed``: those of a call replayed from a CUDA graph, see :func:`dense_blocks`; an eager
-    call takes cuDNN only for dense shapes it has seen before, ``partial.dense_shape_seen``)."""
+    call takes cuDNN only for dense shapes it has seen before, ``partial.dense_shape_seen``).
+    ``rechoose``: this forest's metadata already uploaded (with other choices): share its arrays."""
     config = parts.causal_lm.config
     dense_key = None if graphed else (parts.head_dim, str(parts.compute_dtype), config.num_attention_heads,
                                       getattr(config, "num_key_value_heads", None))
-    return TreeAttentionMetadata.from_forest(forest, parts.device, backend, root_split=ROOT_SPLIT,
-                                             dense=dense_blocks(parts, backend, graphed), dense_key=dense_key)
+    choices = dict(root_split=ROOT_SPLIT, dense=dense_blocks(parts, backend, graphed), dense_key=dense_key)
+    if rechoose is not None:
+        return rechoose.rechosen(forest, **choices)
+    return TreeAttentionMetadata.from_forest(forest, parts.device, backend, **choices)
 
 
 def _score(
@@ -232,9 +236,9 @@ def _score(
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
     ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
     (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
-    eager call runs on the same uploaded arrays and metadata — rebuilt where a graph may run other
-    kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so that eager
-    calls keep the eager choice."""
+    eager call runs on the same uploaded arrays and metadata — its choices made again where a graph
+    may run other kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so
+    that eager calls keep the eager choice."""
     host_targets = forest.tokens[plan.pred_dst]
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, host_targets, plan.gather, *extra], torch.int64, parts.device)
@@ -248,8 +252,8 @@ def _score(
                                 targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts),
                                 bucketed=(_bucketed_inputs(parts, forest, plan.pred_src, host_targets, backend)
                                           if cuda_graphs == "buckets" else None))
-        if scores is None and meta.dense:
-            meta = None
+        if scores is None and meta.dense:  # the eager call makes the eager choices, on the same arrays
+            meta = tree_metadata(parts, forest, backend, rechoose=meta)
     if scores is None:
         hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
         scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)

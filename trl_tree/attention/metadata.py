@@ -8,6 +8,7 @@ layer and by the gradient-checkpointing recompute.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,21 @@ def use_root_split(forest: PrefixForest, layout: RootSplitLayout, dense: bool = 
         return layout.rectangle_pairs() + R * (R + 1) // 2 >= ROOT_SPLIT_MIN_DENSE_SHARE * total
     waste = layout.rectangle_tile_waste(FLASH_QUERY_TILE) * layout.rectangle_pairs()
     return waste >= ROOT_SPLIT_MIN_WASTE * total
+
+
+def _split_choice(forest: PrefixForest, backend: str, root_split: bool | None, dense: bool,
+                  dense_key: tuple | None) -> tuple[RootSplitLayout | None, bool]:
+    """The root split to run (host arrays, or None) and whether its blocks take the dense pair
+    (see :meth:`TreeAttentionMetadata.from_forest`)."""
+    layout = None
+    if backend in PARTIAL_KERNELS and root_split is not False:
+        layout = RootSplitLayout.from_forest(forest)
+        if layout is not None and dense and dense_key is not None:
+            dense = dense_shape_seen(backend, ("split", forest.num_unique_tokens, layout.root_rows,
+                                               layout.rect_max_seqlen_q, layout.rect_max_seqlen_k, *dense_key))
+        if layout is not None and root_split is None and not use_root_split(forest, layout, dense):
+            layout = None
+    return layout, dense
 
 
 def tree_visibility(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -109,14 +125,7 @@ class TreeAttentionMetadata:
         the split's dense shapes under it and take the dense pair only for shapes seen before
         (``partial.dense_shape_seen``: cuDNN plans every new shape); None: no counting (a CUDA graph
         plans its shapes once, at capture)."""
-        layout = None
-        if backend in PARTIAL_KERNELS and root_split is not False:
-            layout = RootSplitLayout.from_forest(forest)
-            if layout is not None and dense and dense_key is not None:
-                dense = dense_shape_seen(backend, ("split", forest.num_unique_tokens, layout.root_rows,
-                                                   layout.rect_max_seqlen_q, layout.rect_max_seqlen_k, *dense_key))
-            if layout is not None and root_split is None and not use_root_split(forest, layout, dense):
-                layout = None
+        layout, dense = _split_choice(forest, backend, root_split, dense, dense_key)
         longs = upload([forest.subtree_end, forest.position_ids, forest.kv_index], torch.int64, device)
         ints = upload([forest.cu_seqlens_q, forest.cu_seqlens_k], torch.int32, device)
         return cls(
@@ -133,6 +142,21 @@ class TreeAttentionMetadata:
             root_split=layout.to_device(device) if layout is not None else None,
             dense=dense,
         )
+
+    def rechosen(self, forest: PrefixForest, root_split: bool | None = None, dense: bool = False,
+                 dense_key: tuple | None = None) -> TreeAttentionMetadata:
+        """This forest's metadata with its layout choices made again (arguments as in
+        :meth:`from_forest`), sharing the arrays already on the device: an eager call after a
+        graphed one that did not replay — whose choices (cuDNN at smaller heads, no sighting rule)
+        an eager call does not make — uploads nothing again, unless it splits where this did not."""
+        layout, dense = _split_choice(forest, self.backend, root_split, dense, dense_key)
+        if layout is None:
+            split = None
+        elif self.root_split is not None:  # the same forest's split: the same arrays
+            split = self.root_split
+        else:
+            split = layout.to_device(self.subtree_end.device)
+        return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache={}, kept=None)
 
     def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:
         """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``."""
