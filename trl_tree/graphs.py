@@ -326,8 +326,10 @@ def _swapped_in(slots: list, views: dict):
 
 
 def _reentrant_checkpointing(modules: tuple[torch.nn.Module, ...]) -> bool:
-    """Whether HF's checkpointing function of any layer is the reentrant kind."""
-    return any(getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", False)
+    """Whether HF's checkpointing function of any layer is the reentrant kind (read from the modules'
+    dicts: ``getattr`` of a missing attribute goes through ``Module.__getattr__`` and an exception,
+    per module and per call)."""
+    return any(getattr(m.__dict__.get("_gradient_checkpointing_func"), "keywords", {}).get("use_reentrant", False)
                for m in modules)
 
 
