@@ -132,13 +132,15 @@ def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None 
         DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = saved
 
 
-def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None) -> bool:
+def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None,
+                    checkpointing: bool | None = None) -> bool:
     """Whether a packed call that builds a graph keeps its attention outputs for the recompute:
     asked to (``keep_attention``; None: ``KEEP_ATTENTION``), the model recomputes its layers
     (checkpointing on, training mode — HF recomputes only then) and the backend's function can hand
-    them back (the partial-kernel FlashAttention path)."""
+    them back (the partial-kernel FlashAttention path). ``checkpointing``: :func:`_checkpointing`'s
+    answer where the caller has it already (it walks the model's modules)."""
     return (_wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
-            and _checkpointing(parts) and parts.causal_lm.training)
+            and (_checkpointing(parts) if checkpointing is None else checkpointing) and parts.causal_lm.training)
 
 
 def _wants_kept_attention(keep_attention: bool | None) -> bool:
@@ -248,8 +250,10 @@ def _score(
 
         backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
         meta = tree_metadata(parts, forest, backend, graphed=True)
+        checkpointing = _checkpointing(parts)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
-                                targets, meta, keeps_attention(parts, backend, keep_attention), _checkpointing(parts),
+                                targets, meta, keeps_attention(parts, backend, keep_attention, checkpointing),
+                                checkpointing,
                                 bucketed=(_bucketed_inputs(parts, forest, plan.pred_src, host_targets, backend)
                                           if cuda_graphs == "buckets" else None))
         if scores is None and meta.dense:  # the eager call makes the eager choices, on the same arrays
