@@ -246,6 +246,9 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     uploads = []
     real_upload = metadata.upload
     monkeypatch.setattr(metadata, "upload", lambda arrays, *a: uploads.append(len(arrays)) or real_upload(arrays, *a))
+    walks = []
+    real_walk = engine.activation_checkpointing
+    monkeypatch.setattr(engine, "activation_checkpointing", lambda m: walks.append(1) or real_walk(m))
     model = _model()
     model.zero_grad(set_to_none=True)
     untreed_backward(model, GROUP, weighted_loss)
@@ -253,10 +256,12 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     for call in range(3):  # eager (first sighting), capture, replay
         dense_calls.clear()
         uploads.clear()
+        walks.clear()
         _, grads = _graphed_backward(model, GROUP)
         assert_grads_close(grads, ref)
         assert bool(dense_calls) == (call > 0), call
         assert len(uploads) == 2  # the forest's arrays went up once: the eager call's metadata shares them
+        assert len(walks) == 1, call  # the checkpointing flag: one walk over the model per call, fallback included
     pair = next(iter(_runner(model).pairs.values()))
     assert pair.meta.dense and _runner(model).captures == 1
 

@@ -189,10 +189,12 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
 
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
                          tokens: torch.Tensor | None = None, keep_attention: bool | None = None,
-                         meta: TreeAttentionMetadata | None = None) -> torch.Tensor:
+                         meta: TreeAttentionMetadata | None = None, checkpointing: bool | None = None
+                         ) -> torch.Tensor:
     """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward
     (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
-    see :func:`keeps_attention`; ``meta``: the forest's metadata if already built)."""
+    see :func:`keeps_attention`; ``meta``: the forest's metadata if already built;
+    ``checkpointing``: :func:`_checkpointing`'s answer if the caller has it)."""
     backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
     install(parts.causal_lm.config._attn_implementation)
     if tokens is None:
@@ -202,7 +204,7 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
         return _dense_hidden_states(parts, tokens, length)
     if meta is None:
         meta = tree_metadata(parts, forest, backend)
-    if keeps_attention(parts, backend, keep_attention):
+    if keeps_attention(parts, backend, keep_attention, checkpointing):
         meta.kept = KeptAttention(parts.num_layers)
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
@@ -244,7 +246,7 @@ def _score(
     host_targets = forest.tokens[plan.pred_dst]
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, host_targets, plan.gather, *extra], torch.int64, parts.device)
-    meta = scores = None
+    meta = scores = checkpointing = None
     if cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None:
         from .graphs import graphed_scores
 
@@ -259,7 +261,7 @@ def _score(
         if scores is None and meta.dense:  # the eager call makes the eager choices, on the same arrays
             meta = tree_metadata(parts, forest, backend, rechoose=meta)
     if scores is None:
-        hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta)
+        hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta, checkpointing)
         scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
     logp, ent = scores
     return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t

@@ -25,8 +25,9 @@ import torch
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
-from ..model_parts import model_parts
+from ..model_parts import model_parts, trainable_parameters
 from .bridge import bridge
+from .grad_sync import average_gradients
 from .grouping import group_cost, plan_micro_batches, prompt_groups, split_into_calls, take_rows
 from .rows import PaddedRows
 
@@ -242,18 +243,11 @@ class TreeTrainerMixin:
         self._sync_gradients(model)
 
     def _sync_gradients(self, model) -> None:
-        """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward."""
+        """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
+        (``grad_sync.average_gradients``: bucket by bucket, not one flat copy of every gradient)."""
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
-        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat)
-            flat /= self.accelerator.num_processes
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        average_gradients(trainable_parameters(model), self.accelerator.num_processes)
 
     def _log_forests(self, forests: list[PrefixForest]) -> None:
         mode = "train" if self.model.training else "eval"
