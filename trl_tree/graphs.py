@@ -98,14 +98,15 @@ _WRAPPERS_REFUSED = ("DistributedDataParallel", "FullyShardedDataParallel", "Dee
 
 
 class _CudaGraph:
-    """One ``torch.cuda.CUDAGraph`` in a shared pool: ``capture(fn)`` runs ``fn`` under capture."""
+    """One ``torch.cuda.CUDAGraph`` in a shared pool: ``capture(fn)`` runs ``fn`` under capture, on
+    ``stream`` (the runner's: see ``_capture``)."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, stream=None) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        self.pool = pool
+        self.pool, self.stream = pool, stream
 
     def capture(self, fn: Callable[[], object], runs_now: bool = True) -> object:
-        with torch.cuda.graph(self.graph, pool=self.pool):  # records fn's kernels without running them
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):  # records fn's kernels, runs none
             return fn()
 
     def replay(self) -> None:
@@ -119,7 +120,7 @@ class EagerReplay:
     buffers, signatures, the autograd function, the gradient buffers — is the code that runs on the
     GPU."""
 
-    def __init__(self, pool=None) -> None:
+    def __init__(self, pool=None, stream=None) -> None:
         self.fn: Callable[[], object] | None = None
 
     def capture(self, fn: Callable[[], object], runs_now: bool = True) -> object:
@@ -137,11 +138,11 @@ class EagerReplay:
 CPU_STAND_IN: type | None = None
 
 
-def _new_graph(device: torch.device, pool):
+def _new_graph(device: torch.device, pool, stream=None):
     if device.type == "cuda":
-        return _CudaGraph(pool)
+        return _CudaGraph(pool, stream)
     if CPU_STAND_IN is not None:
-        return CPU_STAND_IN(pool)
+        return CPU_STAND_IN(pool, stream)
     raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device.type}")
 
 
@@ -232,6 +233,7 @@ class GraphRunner:
     pairs: OrderedDict = field(default_factory=OrderedDict)
     sightings: OrderedDict = field(default_factory=OrderedDict)  # signature -> times seen, not captured
     pool: object = None
+    stream: object = None  # the CUDA stream every warm-up and capture runs on (see _capture)
     generation: int = 0  # forward replays so far (any pair): the pool holds the latest one's activations
     captures: int = 0
 
@@ -465,24 +467,39 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
         runner.grad_buffers = tuple(torch.zeros_like(p) for p in runner.params)
     if runner.pool is None and device.type == "cuda":
         runner.pool = torch.cuda.graph_pool_handle()
+    if runner.stream is None and device.type == "cuda":
+        runner.stream = torch.cuda.Stream(device)
     # log-probs and entropies are fp32 [P] (TRL's fused head); allocated here, outside the pool
     pair.grad_outputs = tuple(torch.zeros(pair.pred_src.shape[0], dtype=torch.float32, device=device)
                               for _ in range(2 if with_entropy else 1))
     with torch.enable_grad():
         if device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            # Warm-up and capture on one stream, the runner's. Autograd runs a parameter's gradient
+            # accumulation on the stream its AccumulateGrad node was made on, and that node lives as
+            # long as a graph refers to it: a warm-up on another stream whose graph were still alive
+            # would pull the capture's accumulations onto that stream (a cross-stream join recorded
+            # in the backward graph, and PyTorch's "AccumulateGrad node's stream" warning).
+            runner.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(runner.stream):
                 for _ in range(WARMUP_RUNS):
                     forward()
                     backward(into_buffers=False)
-            torch.cuda.current_stream(device).wait_stream(side)
-        pair.forward = _new_graph(device, runner.pool)
+            pair.live = ()  # the warm-up's graph: gone before the capture makes its own
+            torch.cuda.current_stream(device).wait_stream(runner.stream)
+        pair.forward = _new_graph(device, runner.pool, runner.stream)
         pair.outputs = tuple(pair.forward.capture(forward))
         if [(o.shape, o.dtype) for o in pair.outputs] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
             raise RuntimeError("cuda_graphs: the fused head's outputs are not fp32 [P]; cannot capture this call")
-        pair.backward = _new_graph(device, runner.pool)
+        pair.backward = _new_graph(device, runner.pool, runner.stream)
         pair.backward.capture(backward, runs_now=False)
+    if device.type == "cuda":
+        # The captured call's autograd graph is spent: its backward is recorded and its saved tensors
+        # are back in the pool, as every pair's activations are (the generation check keeps a pair's
+        # backward next to its own forward). Keeping the graph would keep the parameters'
+        # AccumulateGrad nodes, made on the runner's stream, and every later eager backward would
+        # accumulate on that stream and wait for it. The replays need only the outputs' storage.
+        pair.outputs = tuple(o.detach() for o in pair.outputs)
+        pair.live, pair.views = (), {}
     runner.captures += 1
     # the captured forward's results are in the static outputs; the first replay must run it again
     pair.generation = -1
