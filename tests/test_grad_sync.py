@@ -92,3 +92,13 @@ def test_parameters_without_gradients_are_skipped_and_bad_arguments_refused():
         average_gradients(params, 0, all_reduce=reduce)
     with pytest.raises(ValueError, match="bucket_bytes"):
         gradient_buckets([params[0].grad], bucket_bytes=0)
+
+
+def test_a_large_non_contiguous_gradient_goes_through_a_copy_and_is_averaged():
+    p = torch.nn.Parameter(torch.zeros(64, 32))
+    p.grad = torch.randn(32, 64).t()  # not contiguous
+    expected = p.grad.clone() * 3 / 2
+    reduce = FakeAllReduce([[p.grad.clone().reshape(-1) * 2]])
+    average_gradients([p], 2, all_reduce=reduce, bucket_bytes=1024)
+    assert len(reduce.calls) == 1
+    torch.testing.assert_close(p.grad, expected)

@@ -7,9 +7,9 @@ never sees those gradients and the trainer averages them itself at each synchron
 Why buckets: averaging through one flat copy of every gradient costs a second copy of all of them
 at once — 1 GB at 0.5B, 14 GiB at 7B in bf16 — on top of the step's own peak. Buckets of
 ``BUCKET_BYTES`` (DDP reduces in buckets too, 25 MiB by default) bound that to one bucket, and a
-gradient at least that large is reduced where it lies, with no copy. Each bucket holds one device
-and dtype: a flat concatenation of mixed dtypes (fp32 adapters next to bf16 weights) would be
-promoted and each gradient rounded on the way back.
+contiguous gradient at least that large is reduced where it lies, with no copy. Each bucket holds
+one device and dtype: a flat concatenation of mixed dtypes (fp32 adapters next to bf16 weights)
+would be promoted and each gradient rounded on the way back.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ BUCKET_BYTES = 64 * 2**20
 
 def gradient_buckets(grads: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
     """``grads`` cut into buckets, in order within each (device, dtype): a bucket takes gradients
-    until the next would pass ``bucket_bytes``; a gradient that large on its own, or one that is
-    not contiguous (it cannot be reduced in place), is the only one of its bucket."""
+    until the next would pass ``bucket_bytes``; a gradient that large on its own is the only one of
+    its bucket (``average_gradients`` reduces it in place if it is contiguous, else through a copy)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     open_buckets: dict[tuple, tuple[list[torch.Tensor], int]] = {}
