@@ -181,7 +181,7 @@ def split_attention_on_cpu(request, monkeypatch):
     if request.param:
         monkeypatch.setitem(partial.DENSE_KERNELS, "math", (partial.math_dense_forward, partial.math_dense_backward))
         monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
 
 
 @pytest.mark.parametrize("chunk_size", [None, 3, 7])
@@ -276,7 +276,7 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
 
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)  # one-token units stay varlen (cuDNN refuses 1 x 1)
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     seqs = WORKLOADS["grpo_group"]
     assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), untreed_logprobs(qwen2, seqs))
     assert any(not causal for causal, *_ in calls) and any(causal for causal, *_ in calls)
@@ -304,7 +304,7 @@ def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatc
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)
     monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype: "math")
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     seqs = [list(range(1, 9)) + [20 + i] * (3 + i) for i in range(3)]  # units of distinct shapes
     ref = untreed_logprobs(qwen2, seqs)
     assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), ref)

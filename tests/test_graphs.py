@@ -237,7 +237,7 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
     monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     monkeypatch.setattr(engine, "dense_blocks", lambda parts, backend, graphed=False: graphed)
     monkeypatch.setattr(engine, "ROOT_SPLIT", True)
@@ -316,7 +316,7 @@ def graph_backend(request, monkeypatch):
 
         monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
         monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-        monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+        monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
         monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     return request.param
 

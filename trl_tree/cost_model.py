@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .forest import PrefixForest, ScoringPlan
-from .model_parts import head_dim_of
+from .model_parts import head_dim_of, intermediate_size_of, kv_heads_of
 
 #: chunk sizes tried for dfs, largest first
 CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
@@ -69,10 +69,10 @@ class ActivationModel:
            keep_attention: bool = False) -> "ActivationModel":
         h = config.hidden_size
         head_dim = head_dim_of(config)
-        kv = config.num_key_value_heads * head_dim
+        kv = kv_heads_of(config) * head_dim
         layers = config.num_hidden_layers
-        layer_saved = (8 * h + 4 * config.intermediate_size + 4 * kv) * dtype_bytes
-        backward_temporaries = 3 * config.intermediate_size * dtype_bytes
+        layer_saved = (8 * h + 4 * intermediate_size_of(config) + 4 * kv) * dtype_bytes
+        backward_temporaries = 3 * intermediate_size_of(config) * dtype_bytes
         if gradient_checkpointing:
             kept, transient = layers * h * dtype_bytes, layer_saved + backward_temporaries
             if keep_attention:
@@ -80,7 +80,7 @@ class ActivationModel:
                 kept += layers * heads * (head_dim * dtype_bytes + 4)
         else:
             kept, transient = layers * layer_saved, backward_temporaries
-        forward = (3 * config.intermediate_size + 3 * h) * dtype_bytes
+        forward = (3 * intermediate_size_of(config) + 3 * h) * dtype_bytes
         return cls(kept, transient, layers * 2 * kv * dtype_bytes, layers * 2 * kv * 4, forward, h,
                    config.vocab_size, dtype_bytes)
 

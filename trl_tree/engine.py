@@ -9,6 +9,8 @@ backward is an ordinary one and works under HF gradient checkpointing, DDP and P
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import math
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,9 +23,18 @@ from .attention.dispatch import install
 from .attention.kept import KeptAttention
 from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
+from .attention.support import attention_features
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
-from .model_parts import ModelParts, activation_checkpointing, capture_last_hidden_state, model_parts
+from .router import RouterAux, record_router_logits
+from .model_parts import (
+    ModelParts,
+    activation_checkpointing,
+    active_dropout,
+    capture_last_hidden_state,
+    model_parts,
+    rope_length_hint,
+)
 
 MODES = ("packed", "dfs", "auto")
 
@@ -49,8 +60,14 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
 
 
-def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest) -> tuple[ModelParts, PrefixForest]:
-    """Validate the model and the sequences against each other; build the forest."""
+def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest, rope_length: int | None = None,
+            lm_head_fp32: bool = False, router: RouterAux | None = None) -> tuple[ModelParts, PrefixForest]:
+    """Validate the model and the sequences against each other; build the forest.
+
+    ``rope_length``: the length a length-dependent RoPE (dynamic NTK, LongRoPE) chooses its
+    frequencies for (``model_parts.rope_length_hint``); None: the longest sequence, what a padded
+    batch of these sequences shows it. ``lm_head_fp32``: score in fp32 outside autocast.
+    ``router``: collect (or back-propagate) the MoE load-balancing loss (``trl_tree.router``)."""
     parts = model_parts(model)
     forest = seqs if isinstance(seqs, PrefixForest) else PrefixForest.from_sequences(seqs)
     lo, hi = int(forest.tokens.min()), int(forest.tokens.max())
@@ -60,13 +77,80 @@ def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest)
         raise ValueError(
             f"sequence {seq} holds token id {bad}, outside the model's vocabulary [0, {parts.vocab_size})"
         )
-    if parts.max_positions is not None and forest.max_depth > parts.max_positions:
+    if parts.absolute_positions and parts.max_positions is not None and forest.max_depth > parts.max_positions:
+        # a learned position table has no row for such a depth (RoPE models compute any length, as stock does)
         seq = int(forest.seq_lengths.argmax())
         raise ValueError(
-            f"sequence {seq} has {forest.max_depth} tokens, more than the model's max_position_embeddings "
-            f"({parts.max_positions})"
+            f"sequence {seq} has {forest.max_depth} tokens, more than the {parts.max_positions} rows of the "
+            f"model's position embeddings (max_position_embeddings)"
         )
+    if rope_length is not None and (isinstance(rope_length, bool) or not isinstance(rope_length, int)
+                                    or rope_length < forest.max_depth):
+        raise ValueError(f"rope_length must be an int >= the longest sequence ({forest.max_depth}), got "
+                         f"{rope_length!r}")
+    if not isinstance(lm_head_fp32, bool):
+        raise TypeError(f"lm_head_fp32 must be True or False, got {lm_head_fp32!r}")
+    _check_dropout(parts)
+    if parts.length_dependent_rope:
+        parts.rope_length = rope_length if rope_length is not None else forest.max_depth
+    parts.head_fp32 = lm_head_fp32
+    if router is not None:
+        if not isinstance(router, RouterAux):
+            raise TypeError(f"router must be a trl_tree.router.RouterAux, got {type(router).__name__}")
+        parts.router = router
     return parts, forest
+
+
+#: per model: its dropout modules and attention modules with a dropout rate (found once; their rates
+#: are read on every training call, the walk over the whole model is not repeated)
+_DROPOUT_SITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_dropout(parts: ModelParts) -> None:
+    """Refuse a training-mode call where dropout would draw masks: the tree would draw one per
+    unique token, the untreed computation one per sequence — a different, correlated noise."""
+    model = parts.causal_lm
+    if not model.training:
+        return
+    sites = _DROPOUT_SITES.get(model)
+    if sites is None:
+        sites = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                 or isinstance(m.__dict__.get("attention_dropout"), float)
+                 or isinstance(m.__dict__.get("attn_dropout"), float)]
+        _DROPOUT_SITES[model] = sites
+    if any(m.training and _rate(m) > 0 for m in sites):
+        raise ValueError(
+            f"dropout is active in training mode ({', '.join(active_dropout(model))}); the tree computes a shared "
+            "token once and cannot draw one dropout mask per sequence. Set the rates to 0 (TRL's disable_dropout=True "
+            "covers nn.Dropout modules; attention dropout is the config's attention_dropout) or call model.eval()"
+        )
+
+
+def _rate(module: torch.nn.Module) -> float:
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p
+    return max(module.__dict__.get("attention_dropout") or 0.0, module.__dict__.get("attn_dropout") or 0.0)
+
+
+@contextmanager
+def model_call(parts: ModelParts):
+    """Around one call of the model: capture the backbone's final hidden state (yielded list), show a
+    length-dependent RoPE the length it must use (``rope_length_hint``) and, with ``parts.router``
+    set, record the router logits and hand them over with ``parts.router_weights`` (the call's
+    unique tokens' multiplicities) after the call."""
+    sink = [] if parts.router is not None else None
+    with capture_last_hidden_state(parts.backbone) as captured, rope_length_hint(parts), \
+            record_router_logits(parts.backbone, sink):
+        yield captured
+    if sink is not None:
+        parts.router.on_forward(sink, parts.router_weights)
+
+
+def _router_kwargs(parts: ModelParts) -> dict:
+    """The model must not compute its own load-balancing loss (it would read the placeholder mask as
+    its padding mask); the engine records the router logits itself."""
+    return {"output_router_logits": False} if hasattr(parts.causal_lm.config.get_text_config(),
+                                                      "output_router_logits") else {}
 
 
 def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tensor:
@@ -80,13 +164,14 @@ def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tens
     device = parts.device
     # a 4-D placeholder makes HF skip building its own O(n²) mask; tree attention ignores it
     placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-    with capture_last_hidden_state(parts.backbone) as captured:
+    with model_call(parts) as captured:
         parts.outer(
             input_ids=input_ids,
             position_ids=meta.position_ids,
             attention_mask=placeholder_mask,
             use_cache=False,
             logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
+            **_router_kwargs(parts),
             **{TREE_KWARG: meta},
         )
     _check_every_layer(parts, meta, captured)
@@ -179,9 +264,10 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
     the tree's refusals and the every-layer check, so a model behaves the same on any batch."""
     input_ids = tokens.view(-1, length)
     meta = DenseCausalBatch(max_depth=length)
-    with capture_last_hidden_state(parts.backbone) as captured:
+    with model_call(parts) as captured:
         parts.outer(input_ids=input_ids, use_cache=False,
-                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device), **{TREE_KWARG: meta})
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device), **_router_kwargs(parts),
+                    **{TREE_KWARG: meta})
     _check_every_layer(parts, meta, captured)
     hidden = captured[-1]
     return hidden.reshape(-1, hidden.shape[-1])
@@ -195,7 +281,8 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
     see :func:`keeps_attention`; ``meta``: the forest's metadata if already built;
     ``checkpointing``: :func:`_checkpointing`'s answer if the caller has it)."""
-    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)  # validates the request too
+    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
+                              **attention_features(parts.causal_lm.config))
     install(parts.causal_lm.config._attn_implementation)
     if tokens is None:
         (tokens,) = upload([forest.tokens], torch.int64, parts.device)
@@ -247,10 +334,16 @@ def _score(
     tokens, pred_src, targets, gather, *extra_t = upload(
         [forest.tokens, plan.pred_src, host_targets, plan.gather, *extra], torch.int64, parts.device)
     meta = scores = checkpointing = None
-    if cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None:
+    if parts.router is not None:
+        (parts.router_weights,) = upload([forest.multiplicity], torch.int64, parts.device)
+    # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
+    # by hooks: such calls run eagerly
+    if (cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None
+            and not parts.length_dependent_rope and parts.router is None):
         from .graphs import graphed_scores
 
-        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype)
+        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype,
+                                  **attention_features(parts.causal_lm.config))
         meta = tree_metadata(parts, forest, backend, graphed=True)
         checkpointing = _checkpointing(parts)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
@@ -316,7 +409,8 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     from .cost_model import GroupBudget
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
-    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype)
+    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype,
+                                  **attention_features(parts.causal_lm.config))
     group_tokens = None
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(
@@ -343,6 +437,9 @@ def tree_logprobs(
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
     cuda_graphs: bool | str = False,
+    rope_length: int | None = None,
+    lm_head_fp32: bool = False,
+    router: RouterAux | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -365,13 +462,19 @@ def tree_logprobs(
     ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
     graphs of their layout padded to buckets (``attention/buckets.py``; pays where the host is the
     bound — small models — and costs the padding elsewhere).
+    ``rope_length``: for a RoPE whose frequencies depend on the length (dynamic NTK, LongRoPE), the
+    length they are chosen for — a trainer passes its padded batch's width, which is what the
+    untreed padded forward shows them; None: the longest sequence. Other models ignore it.
+    ``lm_head_fp32=True``: the LM head computes in fp32 outside autocast (TRL's
+    ``cast_lm_head_to_fp32``). ``router``: a :class:`trl_tree.router.RouterAux` that receives
+    every call's router logits (an MoE model's load-balancing loss, ``router.loss()``).
     """
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
     _check_keep_attention(keep_attention)
     _check_cuda_graphs(cuda_graphs, mode)
-    parts, forest = prepare(model, seqs)
+    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
@@ -404,6 +507,10 @@ def tree_backward(
     memory_budget: int | None = None,
     keep_attention: bool | None = None,
     cuda_graphs: bool | str = False,
+    rope_length: int | None = None,
+    lm_head_fp32: bool = False,
+    router: RouterAux | None = None,
+    with_entropy: bool = False,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -411,7 +518,10 @@ def tree_backward(
     prediction index ``j`` of ``tree_logprobs``) and must be elementwise: ``mode="dfs"`` calls it
     once per unit of the walk. Afterwards every parameter's ``.grad`` holds (accumulated onto what
     was there) exactly what autograd leaves for that sum computed sequence by sequence without a
-    tree. Returns the loss value.
+    tree. Returns the loss value. ``with_entropy=True``: ``token_loss(logps, seq_idx, pos,
+    entropies)`` also gets each scored position's entropy, differentiable (an entropy bonus).
+    A non-finite loss raises ``FloatingPointError`` after the backward, naming the sequences
+    whose terms are not finite (packed mode): the gradients it left are not finite either.
 
     ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
     are cut, small sibling subtrees grouped up to it); without it, sibling subtrees are grouped as
@@ -422,7 +532,9 @@ def tree_backward(
     checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
     ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``; ``keep_attention``
     as there (packed mode under gradient checkpointing); ``cuda_graphs`` as there (packed mode; the
-    loss stays eager, only the model's forward and backward are replayed).
+    loss stays eager, only the model's forward and backward are replayed); ``rope_length`` and
+    ``lm_head_fp32`` as there; ``router`` after ``router.set_backward(grad)``: the MoE
+    load-balancing loss's share of every piece is back-propagated with it (``trl_tree.router``).
     """
     _check_mode(mode)
     _check_temperature(temperature)
@@ -431,7 +543,7 @@ def tree_backward(
     _check_cuda_graphs(cuda_graphs, mode)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    parts, forest = prepare(model, seqs)
+    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
@@ -440,14 +552,28 @@ def tree_backward(
         elif not isinstance(keep_graph, bool):
             raise TypeError(f"keep_graph must be True, False or None, got {keep_graph!r}")
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget)
-        return walk.backward(token_loss, keep_graph)
+        total = walk.backward(token_loss, keep_graph, with_entropy)
+        if not math.isfinite(total):
+            raise FloatingPointError(f"token_loss gave a non-finite loss ({total}) in mode='dfs'; the gradients "
+                                     "it left in .grad are not finite")
+        return total
     with torch.enable_grad():
-        logp, _, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, False,
-                                         extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
-                                         cuda_graphs=cuda_graphs)
-        terms = token_loss(logp, seq_idx, pos)
+        logp, ent, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, with_entropy,
+                                           extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
+                                           cuda_graphs=cuda_graphs)
+        terms = token_loss(logp, seq_idx, pos, ent) if with_entropy else token_loss(logp, seq_idx, pos)
         check_loss_terms(terms, logp)
         loss = terms.sum()
+        router_term = router.take_term() if router is not None else None
+        if router_term is not None:
+            loss = loss + router_term
         if loss.requires_grad:
             loss.backward()
-    return float(loss.detach())
+    total = float(loss.detach())
+    if not math.isfinite(total):
+        bad = torch.unique(seq_idx[~torch.isfinite(terms.detach())]).tolist()
+        raise FloatingPointError(
+            f"token_loss gave a non-finite loss ({total}): non-finite terms in sequence(s) {bad[:16]}"
+            f"{' ...' if len(bad) > 16 else ''}; the gradients it left in .grad are not finite"
+        )
+    return total

@@ -331,6 +331,11 @@ class PrefixForest:
         rel = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(self.seq_offsets[:-1], lengths)
         return self.kv_index[np.repeat(starts, lengths) + rel]
 
+    @cached_property
+    def multiplicity(self) -> np.ndarray:
+        """[U] how many sequences contain each unique token (what it weighs in a mean over all tokens)."""
+        return np.bincount(self.seq_packed_index, minlength=self.num_unique_tokens).astype(np.int64)
+
     def packed_index(self, seq: int) -> np.ndarray:
         """Packed index of each token of sequence ``seq``."""
         return self.seq_packed_index[self.seq_offsets[seq] : self.seq_offsets[seq + 1]]

@@ -45,6 +45,14 @@ def score_predictions(
         empty = hidden.new_zeros(0, dtype=torch.float32) + anchor.float() * 0
         return empty, (empty.detach() if with_entropy else None)
     src = hidden.index_select(0, pred_src).to(weight.device)
+    if parts.head_fp32:  # TRL's cast_lm_head_to_fp32: fp32 hidden states and head, autocast off
+        with torch.autocast(src.device.type, enabled=False):
+            return _apply(src.float(), weight.float(), bias.float() if bias is not None else None, parts, targets,
+                          temperature, with_entropy)
+    return _apply(src, weight, bias, parts, targets, temperature, with_entropy)
+
+
+def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, with_entropy: bool):
     out = ChunkedLogProbFunction.apply(
         src,
         weight,

@@ -19,6 +19,10 @@ from transformers import PreTrainedModel
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+#: RoPE types whose frequencies depend on the length of the call (``transformers``' ``dynamic_rope_update``)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 @dataclass
 class ModelParts:
     outer: torch.nn.Module
@@ -31,6 +35,18 @@ class ModelParts:
     final_logit_softcapping: float | None
     logit_scale: float
     head_dim: int
+    #: a learned table of absolute positions (GPT-2's ``wpe``): depths past it cannot be computed
+    absolute_positions: bool = False
+    #: rotary modules whose frequencies follow the call's length (dynamic NTK, LongRoPE)
+    length_dependent_rope: tuple[torch.nn.Module, ...] = ()
+    #: the length those modules choose their frequencies for in this call (see ``rope_length_hint``)
+    rope_length: int | None = None
+    #: score in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``)
+    head_fp32: bool = False
+    #: the MoE load-balancing loss being collected or back-propagated (``trl_tree.router.RouterAux``)
+    router: object | None = None
+    #: multiplicities of the next model call's unique tokens (``router``'s weights), on the device
+    router_weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -38,6 +54,11 @@ class ModelParts:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        """The dtype the layers compute in: the first decoder parameter's, not the head's (TRL's
+        ``cast_lm_head_to_fp32`` makes the head fp32 while the layers stay bf16)."""
+        for p in self.backbone.parameters():
+            if p.is_floating_point() and p is not self.causal_lm.get_input_embeddings().weight:
+                return p.dtype
         return self.lm_head.weight.dtype
 
 
@@ -45,6 +66,16 @@ def head_dim_of(config) -> int:
     """Attention head dimension of a (text) config: ``head_dim`` where the config sets it (Qwen3,
     Gemma, ... decouple it from the hidden size), else ``hidden_size // num_attention_heads``."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def kv_heads_of(config) -> int:
+    """K/V heads of a (text) config; configs without GQA fields (GPT-2) have one per query head."""
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def intermediate_size_of(config) -> int:
+    """MLP width of a (text) config; GPT-2 style configs leave it unset (``n_inner=None``: 4 × hidden)."""
+    return int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size)
 
 
 def _find_causal_lm(model: torch.nn.Module) -> PreTrainedModel | None:
@@ -101,6 +132,8 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         )
     vocab = causal_lm.get_input_embeddings().num_embeddings
     return ModelParts(
+        absolute_positions=_has_absolute_positions(backbone, causal_lm.get_input_embeddings()),
+        length_dependent_rope=_length_dependent_rope(backbone),
         outer=model,
         causal_lm=causal_lm,
         backbone=backbone,
@@ -112,6 +145,78 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim_of(text_config),
     )
+
+
+def _has_absolute_positions(backbone: torch.nn.Module, token_embeddings: torch.nn.Module) -> bool:
+    """A learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``) beside the token embeddings."""
+    for name, module in backbone.named_children():
+        if isinstance(module, torch.nn.Embedding) and module is not token_embeddings and (
+                "pos" in name or name == "wpe"):
+            return True
+    return False
+
+
+def _length_dependent_rope(backbone: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The backbone's rotary modules whose frequencies depend on the call's length."""
+    found = []
+    for module in backbone.children():
+        rope_type = getattr(module, "rope_type", None)
+        kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if any(isinstance(k, str) and any(t in k for t in LENGTH_DEPENDENT_ROPE) for k in kinds):
+            found.append(module)
+    return tuple(found)
+
+
+@contextmanager
+def rope_length_hint(parts: ModelParts):
+    """Make the length-dependent rotary modules choose their frequencies for ``parts.rope_length``
+    tokens during one call, as they do for a padded batch of that width.
+
+    Why: dynamic NTK scaling and LongRoPE pick their frequencies from ``max(position_ids) + 1``.
+    A padded batch (what TRL runs) shows them its padded width; a tree call shows them its deepest
+    token, and a unit of the depth-first walk or one call under a token budget less. The module
+    is called with one extra position, ``rope_length - 1``, appended to the call's positions, and
+    that column is cut from its cos/sin: the same frequency choice (and the same state update of
+    dynamic NTK's cache), the positions' own values unchanged.
+    """
+    if not parts.length_dependent_rope or parts.rope_length is None:
+        yield
+        return
+    last = parts.rope_length - 1
+    patched = []
+    for module in parts.length_dependent_rope:
+        original = module.forward
+
+        def forward(x, position_ids, *args, _original=original, **kwargs):
+            extra = position_ids.new_full((*position_ids.shape[:-1], 1), last)
+            outputs = _original(x, torch.cat([position_ids, extra], dim=-1), *args, **kwargs)
+            return tuple(o[..., :-1, :] for o in outputs)
+
+        module.forward = forward
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward  # the instance attribute; the class's forward shows again
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """What would draw dropout masks in a training forward of ``model``: ``nn.Dropout`` modules with
+    ``p > 0`` (by name) and attention dropout (an attention module's ``attention_dropout`` /
+    ``attn_dropout`` rate, which TRL's ``disable_dropout`` does not reach). The tree draws one mask
+    per *unique* token where the untreed batch draws one per sequence, so neither can run there."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                found.append(f"{name or type(module).__name__} (p={module.p})")
+            continue
+        for attr in ("attention_dropout", "attn_dropout"):
+            rate = module.__dict__.get(attr)
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                found.append(f"{name}.{attr} ({rate})")
+    return found
 
 
 @contextmanager

@@ -34,27 +34,41 @@ def _expand_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
 
 
-def masked_attention(q, k, v, mask: torch.Tensor, scaling: float, kind: str) -> torch.Tensor:
+def masked_attention(q, k, v, mask: torch.Tensor, scaling: float, kind: str, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference attention with an explicit boolean mask ``[Lq, Lk]``; returns ``[1, Lq, H, D]``.
 
-    ``kind="eager"`` mirrors HF's eager path (fp32 softmax), ``"sdpa"`` PyTorch's SDPA.
+    ``kind="eager"`` mirrors HF's eager path (fp32 softmax), ``"sdpa"`` PyTorch's SDPA (which takes
+    neither a soft-cap nor sinks: those run the eager math). ``softcap``: Gemma-2's
+    ``softcap · tanh(scores / softcap)`` before the mask; ``sinks [H]``: a per-head logit that joins
+    every row's softmax and attends to nothing (GPT-OSS's eager formula).
     """
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep, 1), _expand_kv(v, n_rep, 1)
-    if kind == "sdpa":
+    if kind == "sdpa" and softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).transpose(1, 2)
 
 
-def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    return masked_attention(q, k, v, meta.dense_mask(), scaling, "eager")
+def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return masked_attention(q, k, v, meta.dense_mask(window), scaling, "eager", softcap, sinks)
 
 
-def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
-    return masked_attention(q, k, v, meta.dense_mask(), scaling, "sdpa")
+def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return masked_attention(q, k, v, meta.dense_mask(window), scaling, "sdpa", softcap, sinks)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -106,9 +120,16 @@ class _Attended(NamedTuple):
     dense: tuple | None  # the dense kernel pair, if any
 
 
-def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float) -> _Attended:
-    """Gathered root paths through the varlen kernel, or the split of ``attention/root_split.py``."""
+def _attend(q, k, v, meta: TreeAttentionMetadata, scale: float, window: int | None = None) -> _Attended:
+    """Gathered root paths through the varlen kernel, or the split of ``attention/root_split.py``.
+    ``window``: a sliding window — every node against its whole root path, the kernel's own window
+    (its left edge counted back from each query's depth, which is its row on its path); no split."""
     varlen, _ = PARTIAL_KERNELS[meta.backend]
+    if window is not None:
+        out, lse, state = varlen(q, k.index_select(0, meta.kv_index), v.index_select(0, meta.kv_index),
+                                 meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, True,
+                                 scale, window=window)
+        return _Attended(out, (lse,), (state, None), False, False, None)
     split = meta.root_split
     dense = None
     if split is not None and meta.dense:  # a dense pair for the rectangle (and, one tree, the root block)
@@ -164,7 +185,8 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float, layer: object = None):
+    def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float, layer: object = None,
+                window: int | None = None):
         kept = meta.kept if layer is not None else None  # kept outputs: attention/kept.py
         recompute = kept is not None and kept.recomputing(meta.calls)
         result = kept.take(layer) if recompute else None
@@ -172,10 +194,10 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             raise RuntimeError(f"kept attention output {tuple(result.out.shape)} does not match the recomputed "
                                f"queries {tuple(q.shape)}; the checkpointed forward ran another layout")
         if result is None:
-            result = _attend(q, k, v, meta, scale)
+            result = _attend(q, k, v, meta, scale, window)
             if kept is not None and not recompute:  # the alias, not the output autograd is handed now
                 kept.keep(layer, result._replace(out=result.out.detach()))
-        ctx.meta, ctx.scale = meta, scale
+        ctx.meta, ctx.scale, ctx.window = meta, scale, window
         ctx.one_tree, ctx.rect_on_dense, ctx.states, ctx.dense = (result.one_tree, result.rect_on_dense,
                                                                   result.states, result.dense)
         ctx.save_for_backward(q, k, v, result.out, *result.lse)
@@ -204,12 +226,18 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             dk[:R], dv[:R] = dk_root, dv_root
             dk[R:] = _scatter_sum_rows_fp32(dkg, below, n - R)  # the rows below: gathered per node, summed in fp32
             dv[R:] = _scatter_sum_rows_fp32(dvg, below, n - R)
-            return dq_all, dk, dv, None, None, None
+            return dq_all, dk, dv, None, None, None, None
         state, s_rect = ctx.states
         (lse,) = lse_parts
-        kv_index, cu_k, max_k = _path_keys(meta)
+        if ctx.window is not None:
+            split = None
+            kv_index, cu_k, max_k = meta.kv_index, meta.cu_seqlens_k, meta.max_seqlen_k
+            windowed = {"window": ctx.window}
+        else:
+            kv_index, cu_k, max_k = _path_keys(meta)
+            windowed = {}
         dq, dkg, dvg = varlen(grad_out, q, k.index_select(0, kv_index), v.index_select(0, kv_index), out, lse,
-                              state, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True, scale)
+                              state, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True, scale, **windowed)
         dk, dv = _scatter_sum_rows_fp32(dkg, kv_index, n), _scatter_sum_rows_fp32(dvg, kv_index, n)
         if split is not None:
             rect_bwd = ctx.dense[1] if ctx.rect_on_dense else varlen
@@ -221,7 +249,7 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
             rows.add(dq, dq_r)  # a row's two partial dq: one sum, rounded once
             keys.add(dk, dk_r)
             keys.add(dv, dv_r)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, None
 
 
 def _path_keys(meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -232,10 +260,10 @@ def _path_keys(meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
     return split.path_kv_index, split.path_cu_seqlens_k, split.path_max_seqlen_k
 
 
-def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float,
+def torch_flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
                                layer: object = None) -> torch.Tensor:
     """``layer``: the calling attention module, the key of its kept outputs when ``meta.kept`` is set."""
-    out = _TorchFlashTreeAttention.apply(to_varlen(q), to_varlen(k), to_varlen(v), meta, scaling, layer)
+    out = _TorchFlashTreeAttention.apply(to_varlen(q), to_varlen(k), to_varlen(v), meta, scaling, layer, window)
     return out.unsqueeze(0)
 
 
@@ -261,7 +289,8 @@ def _flash_kwargs_accepted() -> frozenset[str] | None:
     return frozenset(params)
 
 
-def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     fn, _ = _flash_attn_varlen()
     kv_index = meta.kv_index  # flash-attn handles GQA natively
     kwargs = {
@@ -272,8 +301,16 @@ def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -
         "softmax_scale": scaling,
         "causal": True,
     }
+    if window is not None:
+        kwargs["window_size"] = (window - 1, 0)  # bottom-right aligned: back from each query's depth
+    if softcap is not None:
+        kwargs["softcap"] = softcap
     accepted = _flash_kwargs_accepted()
     if accepted is not None:
+        missing = sorted({"window_size", "softcap"} & set(kwargs) - accepted)
+        if missing:
+            raise ValueError(f"the installed flash-attn's varlen function takes no {', '.join(missing)}; it cannot "
+                             "compute this model's attention over the tree")
         kwargs = {name: value for name, value in kwargs.items() if name in accepted}
     out = fn(to_varlen(q), _GatherRows.apply(to_varlen(k), kv_index), _GatherRows.apply(to_varlen(v), kv_index), **kwargs)
     if isinstance(out, tuple):  # FA4 returns (out, lse)
@@ -288,9 +325,16 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float) -> torch.Tensor:
+def flex_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     enable_gqa = q.shape[1] != k.shape[1]
-    out = _compiled_flex()(q, k, v, block_mask=meta.block_mask(), scale=scaling, enable_gqa=enable_gqa)
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / softcap) * softcap
+
+    out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=meta.block_mask(window), scale=scaling,
+                           enable_gqa=enable_gqa)
     return out.transpose(1, 2)
 
 
@@ -336,18 +380,24 @@ def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tu
     return False, name  # unreachable
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
+                    softcap: float | None = None, sinks: bool = False) -> str:
     """Resolve ``"auto"`` to the fastest backend that runs here; validate an explicit choice.
 
     auto: on CUDA in fp16/bf16, flash-attn if installed, else PyTorch's FlashAttention varlen;
-    on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa.
+    on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa. A model with attention logit soft-capping
+    (``softcap``) skips the kernels that cannot apply it (``attention/support.py``); ``window`` and
+    ``sinks`` are listed for the same reason (every backend takes a window; sinks only the
+    references, which auto does not pick on CUDA: they build a [U, U] mask).
     """
     if requested == "auto":
         order = ("flash", "torch_flash", "flex") if device.type == "cuda" else ()
+        if softcap is not None:
+            order = tuple(b for b in order if b != "torch_flash")
         for name in order:
             if backend_available(name, device, dtype)[0]:
                 return name
-        return "sdpa"
+        return "sdpa" if device.type != "cuda" or not order else order[-1]
     ok, why = backend_available(requested, device, dtype)
     if not ok:
         raise ValueError(why)

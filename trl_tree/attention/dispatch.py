@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface
 
 from .metadata import TREE_KWARG, DenseCausalBatch
+from .support import unsupported_variant
 
 # implementation name -> the function that was registered before we wrapped it (None: model's own eager)
 _ORIGINALS: dict[str, Callable | None] = {}
@@ -37,31 +38,14 @@ def _original(name: str, module: torch.nn.Module) -> Callable:
     return original if original is not None else _module_eager(module)
 
 
-def refuse_inexact(
-    module: torch.nn.Module,
-    max_depth: int,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    **_: object,
-) -> None:
-    """Raise for any attention feature the tree cannot reproduce exactly (never a wrong number)."""
+def refuse_inexact(module: torch.nn.Module, dropout: float = 0.0, **_: object) -> None:
+    """Raise for what no tree call can reproduce exactly (never a wrong number): attention dropout
+    draws one mask per unique token where the untreed batch draws one per sequence."""
     if dropout:
         raise ValueError(
             f"attention dropout ({dropout}) is active; the tree cannot reproduce per-sequence dropout masks. "
             "Set the model's attention_dropout to 0 (RL fine-tuning normally runs without it)"
         )
-    if sliding_window is not None and max_depth > sliding_window:
-        raise ValueError(
-            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and a sequence "
-            f"is {max_depth} tokens long; the tree attention cannot express the window. Sequences up "
-            "to the window length are exact"
-        )
-    if softcap is not None:
-        raise ValueError(f"{type(module).__name__} uses attention logit soft-capping, which tree attention does not support")
-    if s_aux is not None:
-        raise ValueError(f"{type(module).__name__} uses attention sinks, which tree attention does not support")
 
 
 def tree_attention_forward(
@@ -72,19 +56,29 @@ def tree_attention_forward(
     meta,
     *,
     scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the packed forest, refusing anything the tree cannot compute exactly."""
+    """Attention over the packed forest (or a unit of the walk), refusing anything the tree cannot
+    compute exactly; a sliding window, a soft-cap and sinks go to the backend
+    (``attention/support.py`` says which takes which)."""
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens or key.shape[2] != meta.num_tokens:
         raise ValueError(
             f"tree attention got queries {tuple(query.shape)} and keys {tuple(key.shape)} for a forest of "
             f"{meta.num_tokens} packed tokens; the tree forward takes one packed row and no KV cache"
         )
-    refuse_inexact(module, meta.max_depth, **kwargs)
+    refuse_inexact(module, **kwargs)
+    why = unsupported_variant(meta.backend, "dfs" if getattr(meta, "stack", None) is not None else "packed",
+                              softcap, s_aux is not None)
+    if why is not None:
+        raise ValueError(f"{type(module).__name__}: {why}")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
+    window = sliding_window if sliding_window is not None and sliding_window < meta.max_depth else None
     meta.calls += 1
-    out = meta.attend(module, query, key, value, scaling)
+    out = meta.attend(module, query, key, value, scaling, window=window, softcap=softcap, sinks=s_aux)
     return out, None
 
 
@@ -99,8 +93,8 @@ def _tree_call(name: str, module, query, key, value, attention_mask, meta, kwarg
     """
     if not isinstance(meta, DenseCausalBatch):
         return tree_attention_forward(module, query, key, value, meta, **kwargs)
-    # a dense batch: the model's own attention, under the tree's refusals
-    refuse_inexact(module, meta.max_depth, **kwargs)
+    # a dense batch: the model's own attention (its window, soft-cap and sinks), under the tree's refusals
+    refuse_inexact(module, **kwargs)
     meta.calls += 1
     return _original(name, module)(module, query, key, value, attention_mask, **kwargs)
 

@@ -158,38 +158,55 @@ class TreeAttentionMetadata:
             split = layout.to_device(self.subtree_end.device)
         return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache={}, kept=None)
 
-    def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:
-        """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``."""
+    def attend(self, module, query, key, value, scaling: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``; the variants
+        (``attention/support.py``) go to the backends that take them."""
         from .backends import TREE_ATTENTION
 
+        variants = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks))
+                    if value is not None}
         if self.kept is not None:  # only set for the partial-kernel backends, whose function takes the key
-            return TREE_ATTENTION[self.backend](query, key, value, self, scaling, layer=module)
-        return TREE_ATTENTION[self.backend](query, key, value, self, scaling)
+            return TREE_ATTENTION[self.backend](query, key, value, self, scaling, layer=module, **variants)
+        return TREE_ATTENTION[self.backend](query, key, value, self, scaling, **variants)
 
-    def dense_mask(self) -> torch.Tensor:
-        """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends)."""
-        mask = self._cache.get("dense")
+    def dense_mask(self, window: int | None = None) -> torch.Tensor:
+        """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends), and with
+        a sliding ``window`` iff also ``depth(q) - depth(k) < window``."""
+        key = ("dense", window)
+        mask = self._cache.get(key)
         if mask is None:
             mask = tree_visibility(self.subtree_end)
-            self._cache["dense"] = mask
+            if window is not None:
+                depth = self.position_ids[0]
+                mask = mask & (depth[:, None] - depth[None, :] < window)
+            self._cache[key] = mask
         return mask
 
-    def block_mask(self):
-        """flex_attention ``BlockMask`` from the ``subtree_end`` rule, built once per forest."""
-        bm = self._cache.get("block_mask")
+    def block_mask(self, window: int | None = None):
+        """flex_attention ``BlockMask`` from the ``subtree_end`` rule (and a sliding ``window`` on the
+        depths), built once per forest and window."""
+        key = ("block_mask", window)
+        bm = self._cache.get(key)
         if bm is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
             n = self.num_tokens
             # the mask_mod may be evaluated on padded indices past U; clamp keeps the lookup in range
             subtree_end = self.subtree_end
+            depth = self.position_ids[0]
 
             def tree_mask(b, h, q_idx, kv_idx):
                 return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx.clamp(max=n - 1)])
 
+            def windowed_tree_mask(b, h, q_idx, kv_idx):
+                seen = depth[q_idx.clamp(max=n - 1)] - depth[kv_idx.clamp(max=n - 1)] < window
+                return tree_mask(b, h, q_idx, kv_idx) & seen
+
             # compiled on CUDA so the mask is never materialised as [U, U]
             bm = create_block_mask(
-                tree_mask, None, None, n, n, device=subtree_end.device, _compile=subtree_end.is_cuda
+                tree_mask if window is None else windowed_tree_mask, None, None, n, n, device=subtree_end.device,
+                _compile=subtree_end.is_cuda,
             )
-            self._cache["block_mask"] = bm
+            self._cache[key] = bm
         return bm

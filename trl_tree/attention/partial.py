@@ -65,20 +65,29 @@ def _check_lse_layout(lse: torch.Tensor, out: torch.Tensor) -> None:
         )
 
 
-def flash_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
-    """PyTorch's FA2 varlen forward; returns ``(out, lse, state)`` (state: what backward needs)."""
+def _window_kwargs(window: int | None) -> dict:
+    """A sliding window for FlashAttention: each query sees its own row and the ``window - 1`` before
+    it on its segment (bottom-right aligned: a node's query rows are its path's last rows)."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def flash_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                          window: int | None = None):
+    """PyTorch's FA2 varlen forward; returns ``(out, lse, state)`` (state: what backward needs).
+    ``window``: a causal sliding window (see ``_window_kwargs``)."""
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window_kwargs(window)
     )
     return out, lse, (rng_state, unused)
 
 
 def flash_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
-                           causal: bool, scale: float):
+                           causal: bool, scale: float, window: int | None = None):
     """``(dq, dk, dv)`` of one part, given the merged ``out`` and ``lse`` (model dtype)."""
     rng_state, unused = state
     return torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+        **_window_kwargs(window)
     )
 
 
@@ -93,9 +102,10 @@ def _accumulator(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _segment_probs_logits(q, k, causal: bool, scale: float, top_left: bool = False) -> torch.Tensor:
+def _segment_probs_logits(q, k, causal: bool, scale: float, top_left: bool = False,
+                          window: int | None = None) -> torch.Tensor:
     """Scaled scores ``[H, lq, lk]`` with -inf where a causal mask (bottom-right aligned, or
-    ``top_left``) hides a key."""
+    ``top_left``) hides a key, or a sliding ``window`` (keys more than ``window - 1`` rows back)."""
     acc = _accumulator(q)
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
@@ -103,14 +113,18 @@ def _segment_probs_logits(q, k, causal: bool, scale: float, top_left: bool = Fal
     if causal:
         lq, lk = q.shape[0], k.shape[0]
         qpos = torch.arange(lq, device=q.device)[:, None] + (0 if top_left else lk - lq)
-        hidden = torch.arange(lk, device=q.device)[None, :] > qpos
+        keys = torch.arange(lk, device=q.device)[None, :]
+        hidden = keys > qpos
+        if window is not None:
+            hidden = hidden | (keys <= qpos - window)
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 
 
-def math_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+def math_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                         window: int | None = None):
     """Reference of :func:`flash_partial_forward` (computes in fp32; same layouts)."""
-    return _math_forward(q, k, v, _segments(cu_q, cu_k), causal, scale, top_left=False)
+    return _math_forward(q, k, v, _segments(cu_q, cu_k), causal, scale, top_left=False, window=window)
 
 
 def math_dense_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
@@ -123,13 +137,13 @@ def _one_segment(q, k):
     return [(slice(0, q.shape[0]), slice(0, k.shape[0]))]
 
 
-def _math_forward(q, k, v, segments, causal: bool, scale: float, top_left: bool):
+def _math_forward(q, k, v, segments, causal: bool, scale: float, top_left: bool, window: int | None = None):
     acc = _accumulator(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
     rep = q.shape[1] // k.shape[1]
     for sq, sk in segments:
-        scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left)
+        scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left, window)
         seg_lse = torch.logsumexp(scores, dim=-1)  # [H, lq]
         probs = torch.exp(scores - seg_lse[..., None])
         vv = v[sk].to(acc).repeat_interleave(rep, dim=1)
@@ -139,9 +153,10 @@ def _math_forward(q, k, v, segments, causal: bool, scale: float, top_left: bool)
 
 
 def math_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
-                          causal: bool, scale: float):
+                          causal: bool, scale: float, window: int | None = None):
     """Reference of :func:`flash_partial_backward`: ``dS = P ∘ (dP - rowsum(dO ∘ O))``."""
-    return _math_backward(grad_out, q, k, v, out, lse, _segments(cu_q, cu_k), causal, scale, top_left=False)
+    return _math_backward(grad_out, q, k, v, out, lse, _segments(cu_q, cu_k), causal, scale, top_left=False,
+                          window=window)
 
 
 def math_dense_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
@@ -151,7 +166,8 @@ def math_dense_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: i
     return _math_backward(grad_out, q, k, v, out, lse, _one_segment(q, k), causal, scale, top_left=True)
 
 
-def _math_backward(grad_out, q, k, v, out, lse, segments, causal: bool, scale: float, top_left: bool):
+def _math_backward(grad_out, q, k, v, out, lse, segments, causal: bool, scale: float, top_left: bool,
+                   window: int | None = None):
     acc = _accumulator(q)
     rep = q.shape[1] // k.shape[1]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -159,7 +175,7 @@ def _math_backward(grad_out, q, k, v, out, lse, segments, causal: bool, scale: f
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)  # [H, n]
     for sq, sk in segments:
-        scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left)
+        scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left, window)
         probs = torch.exp(scores - lse[:, sq, None])  # [H, lq, lk] under the merged normaliser
         kk = k[sk].to(acc).repeat_interleave(rep, dim=1)
         vv = v[sk].to(acc).repeat_interleave(rep, dim=1)

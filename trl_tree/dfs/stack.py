@@ -93,6 +93,7 @@ class UnitAttentionMetadata:
     calls: int = 0
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _windowed: dict = field(default_factory=dict, repr=False)  # window -> windowed_paths
 
     @classmethod
     def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
@@ -122,26 +123,60 @@ class UnitAttentionMetadata:
             ))
         return metas
 
-    def dense_mask(self) -> torch.Tensor:
-        """``[n, depth + n]``: every query sees the whole prefix, and the tree rule inside the unit."""
+    def dense_mask(self, window: int | None = None) -> torch.Tensor:
+        """``[n, depth + n]``: every query sees the whole prefix, and the tree rule inside the unit; with
+        a sliding ``window`` only keys less than ``window`` deeper than the query (prefix slot j holds
+        depth j)."""
         if self._mask is None:
             inner = tree_visibility(self.subtree_end)
             self._mask = torch.cat([inner.new_ones(self.num_tokens, self.depth), inner], dim=1)
-        return self._mask
+        if window is None:
+            return self._mask
+        depth_q = self.position_ids[0]
+        depth_k = torch.cat([torch.arange(self.depth, device=depth_q.device), depth_q])
+        return self._mask & (depth_q[:, None] - depth_k[None, :] < window)
 
-    def attend(self, module, query, key, value, scaling: float) -> torch.Tensor:
+    def windowed_paths(self, window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per node of the unit, the slots of its root path that its queries can see through ``window``
+        (prefix slots from ``depth(first query) - window + 1``, then its in-unit path), in depth order:
+        ``(slot index, cu_seqlens_k, max_seqlen_k)`` for one varlen call with the kernel's own window."""
+        cached = self._windowed.get(window)
+        if cached is None:
+            d = self.depth
+            cu_q = self.cu_seqlens_q.tolist()
+            cu_k = self.cu_seqlens_k.tolist()
+            depths = self.position_ids[0].tolist()
+            own = self.kv_local.tolist() if self.kv_local is not None else list(range(self.num_tokens))
+            index, bounds = [], [0]
+            for j in range(len(cu_q) - 1):
+                start = min(max(0, depths[cu_q[j]] - window + 1), d)
+                rows = list(range(start, d)) + [d + r for r in own[cu_k[j] : cu_k[j + 1]]]
+                index += rows
+                bounds.append(bounds[-1] + len(rows))
+            device = self.position_ids.device
+            cached = (torch.tensor(index, dtype=torch.long, device=device),
+                      torch.tensor(bounds, dtype=torch.int32, device=device),
+                      max(b - a for a, b in zip(bounds, bounds[1:])))
+            self._windowed[window] = cached
+        return cached
+
+    def attend(self, module, query, key, value, scaling: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             raise ValueError(f"{type(module).__name__} has no layer_idx; the depth-first walk needs it to find its K/V")
-        out = _UnitAttention.apply(to_varlen(query), to_varlen(key), to_varlen(value), self, int(layer), scaling)
+        out = _UnitAttention.apply(to_varlen(query), to_varlen(key), to_varlen(value), sinks, self, int(layer),
+                                   scaling, (window, softcap))
         return out.unsqueeze(0)
 
 
-def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling):
-    """Explicit-mask attention in varlen layout (``[n, H, D]`` queries, ``[slots, Hkv, D]`` keys)."""
+def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling, variants=(None, None, None)):
+    """Explicit-mask attention in varlen layout (``[n, H, D]`` queries, ``[slots, Hkv, D]`` keys);
+    ``variants``: (window, softcap, sinks)."""
+    window, softcap, sinks = variants
     out = masked_attention(
         q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0),
-        meta.dense_mask(), scaling, meta.backend,
+        meta.dense_mask(window), scaling, meta.backend, softcap, sinks,
     )
     return out[0]
 
@@ -172,15 +207,24 @@ def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:
 
 class _UnitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, meta: UnitAttentionMetadata, layer: int, scaling: float):
+    def forward(ctx, q, k, v, sinks, meta: UnitAttentionMetadata, layer: int, scaling: float, variants=(None, None)):
         kb, vb = meta.stack.buffers(layer, k)
         d, n = meta.depth, meta.num_tokens
         kb[d : d + n] = k
         vb[d : d + n] = v
-        ctx.meta, ctx.layer, ctx.scaling = meta, layer, scaling
+        ctx.meta, ctx.layer, ctx.scaling, ctx.variants = meta, layer, scaling, (*variants, sinks)
+        window = variants[0]
         if meta.backend not in PARTIAL_KERNELS:
-            out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling)
+            out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling, ctx.variants)
             ctx.save_for_backward(q, out)
+            return out
+        if window is not None:  # each node against the windowed slots of its path (``windowed_paths``)
+            index, cu_k, max_k = meta.windowed_paths(window)
+            varlen = PARTIAL_KERNELS[meta.backend][0]
+            out, lse, state = varlen(q, kb.index_select(0, index), vb.index_select(0, index), meta.cu_seqlens_q, cu_k,
+                                     meta.max_seqlen_q, max_k, True, scaling, window=window)
+            ctx.states = (state, None)
+            ctx.save_for_backward(q, out, lse)
             return out
         own_pair, prefix_pair = _kernel_pairs(meta, q)
         out, lse, own_state = own_pair[0](q, _own_rows(meta, k), _own_rows(meta, v), meta.cu_seqlens_q,
@@ -200,7 +244,23 @@ class _UnitAttention(torch.autograd.Function):
         d, n = meta.depth, meta.num_tokens
         kb, vb = meta.stack.k[layer], meta.stack.v[layer]
         gk, gv = meta.stack.grad_buffers(layer)
-        if meta.backend in PARTIAL_KERNELS:
+        window = ctx.variants[0]
+        d_sinks = [None]  # the sinks' gradient (reference backends only take sinks)
+        if meta.backend in PARTIAL_KERNELS and window is not None:
+            q, out, lse = ctx.saved_tensors
+            index, cu_k, max_k = meta.windowed_paths(window)
+            varlen_bwd = PARTIAL_KERNELS[meta.backend][1]
+            dq, dkg, dvg = varlen_bwd(grad_out, q, kb.index_select(0, index), vb.index_select(0, index), out, lse,
+                                      ctx.states[0], meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, max_k, True,
+                                      ctx.scaling, window=window)
+            # a slot gathered for several nodes: its gradients summed in fp32, then split prefix / own
+            dk_all = torch.zeros((d + n, *kb.shape[1:]), dtype=torch.float32, device=q.device).index_add_(
+                0, index, dkg.float())
+            dv_all = torch.zeros_like(dk_all).index_add_(0, index, dvg.float())
+            gk[:d] += dk_all[:d]
+            gv[:d] += dv_all[:d]
+            dk_own, dv_own = dk_all[d:], dv_all[d:]
+        elif meta.backend in PARTIAL_KERNELS:
             q, out, lse = ctx.saved_tensors
             own_pair, prefix_pair = _kernel_pairs(meta, q)
             own_state, prefix_state = ctx.states
@@ -223,12 +283,15 @@ class _UnitAttention(torch.autograd.Function):
                 gv[:d] += dv_p
         else:
             q, _ = ctx.saved_tensors
+            window, softcap, sinks = ctx.variants
             with torch.enable_grad():
                 q_ = q.detach().requires_grad_()
                 k_all = kb[: d + n].detach().requires_grad_()
                 v_all = vb[: d + n].detach().requires_grad_()
-                ref = _reference_attention(meta, q_, k_all, v_all, ctx.scaling)
-                dq, dk_all, dv_all = torch.autograd.grad(ref, (q_, k_all, v_all), grad_out)
+                s_ = sinks.detach().requires_grad_() if sinks is not None else None
+                ref = _reference_attention(meta, q_, k_all, v_all, ctx.scaling, (window, softcap, s_))
+                inputs = (q_, k_all, v_all) if s_ is None else (q_, k_all, v_all, s_)
+                dq, dk_all, dv_all, *d_sinks = torch.autograd.grad(ref, inputs, grad_out)
             gk[:d] += dk_all[:d]
             gv[:d] += dv_all[:d]
             dk_own, dv_own = dk_all[d:], dv_all[d:]
@@ -237,4 +300,4 @@ class _UnitAttention(torch.autograd.Function):
             dv_own = gv[d : d + n] + dv_own
             gk[d : d + n] = 0
             gv[d : d + n] = 0
-        return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), None, None, None
+        return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), (d_sinks[0] if d_sinks else None), None, None, None, None

@@ -40,11 +40,14 @@ from .stack import KVStack, UnitAttentionMetadata
 DFS_BACKENDS = ("torch_flash", "sdpa", "eager")
 
 
-def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
+                        softcap: float | None = None, sinks: bool = False) -> str:
+    """The walk's kernel: ``torch_flash`` on CUDA in fp16/bf16, else ``sdpa``; a model with
+    soft-capping or sinks (which FlashAttention's partial kernels do not take) gets ``sdpa``."""
     from ..attention.backends import backend_available
 
     if requested == "auto":
-        if backend_available("torch_flash", device, dtype)[0]:
+        if softcap is None and not sinks and backend_available("torch_flash", device, dtype)[0]:
             return "torch_flash"
         return "sdpa"
     if requested in ("flash", "flex"):
@@ -95,7 +98,12 @@ class DepthFirstWalk:
         for terms in plan.terms_of_unit:
             arrays += [row_pos[scoring.gather[terms]], scoring.seq_idx[terms], scoring.pos[terms]]
         arrays.append(plan.forest.tokens[scoring.pred_dst])  # every row's target in row order (deferred head)
+        if self.parts.router is not None:  # MoE: each token's multiplicity, sliced per unit at its forward
+            arrays.append(plan.forest.multiplicity)
         *tensors, self.all_targets = upload(arrays, torch.int64, self.device)
+        if self.parts.router is not None:
+            self.all_targets, multiplicity = tensors.pop(), self.all_targets
+            self.unit_weights = [multiplicity[u.start : u.end] for u in plan.units]
         n = len(plan.units)
         self.rows = tensors[0 : 3 * n : 3]
         self.src = tensors[1 : 3 * n : 3]
@@ -108,28 +116,39 @@ class DepthFirstWalk:
     def _forward(self, u: int) -> torch.Tensor:
         meta = self.metas[u]
         meta.calls = 0
+        if self.parts.router is not None:
+            self.parts.router_weights = self.unit_weights[u]
         return tree_forward(self.parts, meta.input_ids, meta)
 
     def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool, head_grad: bool = True):
         return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy,
                                  head_grad)
 
-    def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable, head: _DeferredHead | None = None
-                   ) -> torch.Tensor:
+    def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable, head: _DeferredHead | None = None,
+                   with_entropy: bool = False) -> torch.Tensor:
         """The unit's loss terms, plus a zero anchor on the hidden states so the backward reaches
         every layer's attention (where descendants' K/V gradients enter) even with no terms.
-        With ``head``, the LM head is a constant here and ``head`` records what its gradient needs."""
-        logp, _ = self._score(u, hidden, False, head_grad=head is None)
+        With ``head``, the LM head is a constant here and ``head`` records what its gradient needs.
+        ``with_entropy``: ``token_loss`` also takes the entropies (differentiable)."""
+        logp, ent = self._score(u, hidden, with_entropy, head_grad=head is None)
         if head is not None:
-            logp = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp)
+            logp, ent = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp, ent)
         # zero-valued, but connects every layer and the LM head like the untreed graph does
         anchor = hidden.sum() * 0 + logp.sum() * 0
         if self.term_row[u].shape[0] == 0:
-            return anchor.float()
+            return anchor.float() + self._router_term()
         lp = logp.index_select(0, self.term_row[u])
-        out = token_loss(lp, self.term_seq[u], self.term_pos[u])
+        if with_entropy:
+            out = token_loss(lp, self.term_seq[u], self.term_pos[u], ent.index_select(0, self.term_row[u]))
+        else:
+            out = token_loss(lp, self.term_seq[u], self.term_pos[u])
         check_loss_terms(out, lp)
-        return out.sum() + anchor
+        return out.sum() + anchor + self._router_term()
+
+    def _router_term(self) -> torch.Tensor | float:
+        """The unit's share of the MoE load-balancing loss in a piecewise backward (``trl_tree.router``)."""
+        term = self.parts.router.take_term() if self.parts.router is not None else None
+        return 0.0 if term is None else term
 
     # ------------------------------------------------------------------ walks
     @torch.no_grad()
@@ -149,18 +168,20 @@ class DepthFirstWalk:
                     ent[self.rows[step.unit]] = en
         return logp, ent
 
-    def backward(self, token_loss: Callable, keep_graph: bool) -> float:
+    def backward(self, token_loss: Callable, keep_graph: bool, with_entropy: bool = False) -> float:
         """Forward, loss and backward of every unit in depth-first order, then the LM head's weight
-        gradient in one call; returns the loss value."""
+        gradient in one call; returns the loss value. ``with_entropy``: ``token_loss`` takes the
+        entropies as a fourth argument."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         kept: dict[int, torch.Tensor] = {}
-        head = _DeferredHead(self.scoring.num_predictions, self.device) if self._head_trains() else None
+        head = (_DeferredHead(self.scoring.num_predictions, self.device, with_entropy) if self._head_trains()
+                else None)
         for step in self.plan.steps:
             u = step.unit
             if step.op == "push":
                 if keep_graph:
                     with torch.enable_grad():
-                        kept[u] = self._unit_loss(u, self._forward(u), token_loss, head)
+                        kept[u] = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
                 else:
                     with torch.no_grad():
                         self._forward(u)
@@ -169,7 +190,7 @@ class DepthFirstWalk:
                 loss = kept.pop(u)
             else:
                 with torch.enable_grad():
-                    loss = self._unit_loss(u, self._forward(u), token_loss, head)
+                    loss = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
             if loss.requires_grad:
                 loss.backward()
             total += loss.detach().double()
@@ -185,26 +206,35 @@ class DepthFirstWalk:
 
 
 class _DeferredHead:
-    """Per scoring row: its final hidden state and the gradient its log-prob received."""
+    """Per scoring row: its final hidden state and the gradients its log-prob (and entropy) received."""
 
-    def __init__(self, num_rows: int, device: torch.device) -> None:
+    def __init__(self, num_rows: int, device: torch.device, with_entropy: bool = False) -> None:
         self.hidden: torch.Tensor | None = None  # [P, H], allocated at the first unit (dtype of the model)
         self.grad = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        self.ent_grad = torch.zeros(num_rows, dtype=torch.float32, device=device) if with_entropy else None
         self.num_rows = num_rows
 
-    def record(self, rows: torch.Tensor, hidden_rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    def record(self, rows: torch.Tensor, hidden_rows: torch.Tensor, logp: torch.Tensor,
+               ent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.hidden is None:
             self.hidden = hidden_rows.new_zeros(self.num_rows, hidden_rows.shape[-1])
         self.hidden[rows] = hidden_rows.detach()
-        return _TapGrad.apply(logp, self.grad, rows)
+        logp = _TapGrad.apply(logp, self.grad, rows)
+        if ent is not None and self.ent_grad is not None:
+            ent = _TapGrad.apply(ent, self.ent_grad, rows)
+        return logp, ent
 
     def backward(self, parts: ModelParts, targets: torch.Tensor, temperature: float) -> None:
         """One head call over every row (hidden states constant): gradients of weight and bias only.
         Every unit records (each runs its loss), so ``hidden`` exists by now."""
         with torch.enable_grad():
             index = torch.arange(self.num_rows, device=self.grad.device)
-            logp, _ = score_predictions(self.hidden, parts, index, targets, temperature, False)
-            torch.autograd.backward(logp, self.grad.to(logp.dtype))
+            logp, ent = score_predictions(self.hidden, parts, index, targets, temperature, self.ent_grad is not None)
+            outputs, grads = [logp], [self.grad.to(logp.dtype)]
+            if ent is not None:
+                outputs.append(ent)
+                grads.append(self.ent_grad.to(ent.dtype))
+            torch.autograd.backward(outputs, grads)
 
 
 class _TapGrad(torch.autograd.Function):

@@ -14,9 +14,8 @@ By the chain rule the parameters receive exactly ``dLoss/dθ = Σ g · dlogp/dθ
 type (token- or sequence-level ratios, clipping, KL to the reference, VESPO's weights...): TRL's
 loss code is reused unchanged, and the Trainer's gradient-accumulation scaling, AMP loss scaling and
 ``training_step``'s detached loss all pass through ``g``. The price is one extra forward-only pass.
-Gradients with respect to the entropies cannot be routed this way (the engine's token loss sees
-log-probs only), so an entropy bonus is refused up front and a non-zero entropy gradient here is an
-error, never silently dropped.
+An entropy bonus goes the same way: the loss's gradient with respect to each entropy, ``h``, is
+handed over too, and the engine's token loss becomes ``g · logp + h · entropy``.
 """
 
 from __future__ import annotations
@@ -28,28 +27,35 @@ import torch
 
 class _Bridge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, logps, entropies, run_backward):
-        ctx.run_backward = run_backward
-        return logps.clone(), entropies.clone()
+    def forward(ctx, anchor, logps, entropies, aux, run_backward, has_entropies: bool, has_aux: bool):
+        ctx.run_backward, ctx.has_entropies, ctx.has_aux = run_backward, has_entropies, has_aux
+        ctx.logps_like = (logps.shape, logps.dtype, logps.device)
+        return logps.clone(), entropies.clone(), aux.clone()
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropies):
-        if grad_entropies is not None and bool(grad_entropies.ne(0).any()):
-            raise RuntimeError(
-                "the loss depends on the entropies' gradient (an entropy bonus), which the tree's two-pass "
-                "backward cannot route; use tree_mode='packed' without tree_token_budget"
-            )
-        if grad_logps is not None:
-            ctx.run_backward(grad_logps)
-        return None, None, None, None
+    def backward(ctx, grad_logps, grad_entropies, grad_aux):
+        grad_entropies = grad_entropies if ctx.has_entropies else None
+        grad_aux = grad_aux if ctx.has_aux else None
+        if grad_logps is None and grad_entropies is None and grad_aux is None:
+            return (None,) * 7
+        if grad_logps is None:
+            shape, dtype, device = ctx.logps_like
+            grad_logps = torch.zeros(shape, dtype=dtype, device=device)
+        ctx.run_backward(grad_logps, grad_entropies, grad_aux)
+        return (None,) * 7
 
 
 def bridge(
-    logps: torch.Tensor, entropies: torch.Tensor | None, run_backward: Callable[[torch.Tensor], None]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logps`` (and ``entropies``) unchanged in value, but a backward through them calls
-    ``run_backward(dLoss/dlogps)``."""
+    logps: torch.Tensor, entropies: torch.Tensor | None,
+    run_backward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], None],
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``logps`` (and ``entropies``, and the MoE load-balancing loss ``aux``) unchanged in value, but
+    a backward through them calls ``run_backward(dLoss/dlogps, dLoss/dentropies or None,
+    dLoss/daux or None)``."""
     anchor = torch.zeros((), device=logps.device, requires_grad=True)
-    ent = entropies if entropies is not None else logps.new_zeros(())
-    out_logps, out_ent = _Bridge.apply(anchor, logps.detach(), ent.detach(), run_backward)
-    return out_logps, (out_ent if entropies is not None else None)
+    ent = entropies if entropies is not None else logps.new_zeros(0)
+    aux_in = aux if aux is not None else logps.new_zeros(0)
+    out_logps, out_ent, out_aux = _Bridge.apply(anchor, logps.detach(), ent.detach(), aux_in.detach(), run_backward,
+                                                entropies is not None, aux is not None)
+    return out_logps, (out_ent if entropies is not None else None), (out_aux if aux is not None else None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig, RLOOConfig
 
 TREE_MODES = ("packed", "dfs", "off")
+TREE_SHUFFLES = ("groups", "rows")
 ATTN_BACKENDS = ("auto", "flash", "torch_flash", "flex", "sdpa", "eager")
 
 
@@ -25,6 +26,16 @@ class TreeArguments:
             "help": "'packed': one forward+backward over each micro-batch's unique tokens (fastest; activations ~ "
             "unique tokens). 'dfs': a depth-first walk with a K/V stack, memory bounded by the longest "
             "sequence (the engine runs the backward; see docs/trainers.md). 'off': exactly TRL's trainer."
+        },
+    )
+    tree_shuffle: str = field(
+        default="groups",
+        metadata={
+            "help": "How a generation batch is cut into micro-batches. 'groups': the prompt groups are shuffled "
+            "and kept whole, so a micro-batch's sequences share their prompts (the tree's gain); each micro-batch "
+            "has TRL's row count. 'rows': TRL's own row shuffle, so every micro-batch (and so every per-micro-batch "
+            "normaliser and optimizer step) holds exactly the rows stock TRL gives it, at the cost of sharing. "
+            "With one micro-batch per generation batch both give TRL's update (see docs/trainers.md)."
         },
     )
     tree_attn_backend: str = field(
@@ -94,6 +105,8 @@ class TreeArguments:
     def _check_tree_fields(self) -> None:
         if self.tree_mode not in TREE_MODES:
             raise ValueError(f"tree_mode must be one of {TREE_MODES}, got {self.tree_mode!r}")
+        if self.tree_shuffle not in TREE_SHUFFLES:
+            raise ValueError(f"tree_shuffle must be one of {TREE_SHUFFLES}, got {self.tree_shuffle!r}")
         if self.tree_attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"tree_attn_backend must be one of {ATTN_BACKENDS}, got {self.tree_attn_backend!r}")
         for name in ("tree_token_budget", "tree_chunk_size"):
@@ -112,9 +125,10 @@ class TreeArguments:
 
 @dataclass
 class TreeGRPOConfig(GRPOConfig, TreeArguments):
-    """``trl.GRPOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``, ``tree_keep_attention``,
-    ``tree_compile_layers``, ``tree_cuda_graphs``, ``tree_cuda_graph_buckets``)."""
+    """``trl.GRPOConfig`` plus the tree fields of :class:`TreeArguments` (``tree_mode``, ``tree_shuffle``,
+    ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
+    ``tree_keep_graph``, ``tree_keep_attention``, ``tree_compile_layers``, ``tree_cuda_graphs``,
+    ``tree_cuda_graph_buckets``)."""
 
     def __post_init__(self):
         self._check_tree_fields()
@@ -123,9 +137,10 @@ class TreeGRPOConfig(GRPOConfig, TreeArguments):
 
 @dataclass
 class TreeRLOOConfig(RLOOConfig, TreeArguments):
-    """``trl.RLOOConfig`` plus the tree fields (``tree_mode``, ``tree_attn_backend``, ``tree_token_budget``,
-    ``tree_chunk_size``, ``tree_memory_budget``, ``tree_keep_graph``, ``tree_keep_attention``,
-    ``tree_compile_layers``, ``tree_cuda_graphs``, ``tree_cuda_graph_buckets``)."""
+    """``trl.RLOOConfig`` plus the tree fields of :class:`TreeArguments` (``tree_mode``, ``tree_shuffle``,
+    ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
+    ``tree_keep_graph``, ``tree_keep_attention``, ``tree_compile_layers``, ``tree_cuda_graphs``,
+    ``tree_cuda_graph_buckets``)."""
 
     def __post_init__(self):
         self._check_tree_fields()

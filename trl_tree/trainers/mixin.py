@@ -17,7 +17,9 @@ Three overrides, shared by both trainers:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -25,7 +27,8 @@ import torch
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
-from ..model_parts import model_parts, trainable_parameters
+from ..attention.support import attention_refusal
+from ..model_parts import active_dropout, model_parts, trainable_parameters
 from .bridge import bridge
 from .grad_sync import average_gradients
 from .grouping import group_cost, plan_micro_batches, prompt_groups, split_into_calls, take_rows
@@ -61,18 +64,26 @@ class TreeTrainerMixin:
             return
         if getattr(self, "_is_vlm", False):
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
-        model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
-        if getattr(self, "aux_loss_enabled", False):
+        parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
+        dropout = active_dropout(self.model)
+        if dropout:
             raise ValueError(
-                f"{name}: the MoE load-balancing loss (router_aux_loss_coef != 0) is not computed over the tree; set "
-                "router_aux_loss_coef=0 or tree_mode='off'"
+                f"{name}: dropout is active in the model ({', '.join(dropout[:4])}{' ...' if len(dropout) > 4 else ''});"
+                " the tree computes a shared token once and cannot draw one dropout mask per sequence as the untreed "
+                "batch does. Keep disable_dropout=True (TRL's default; it zeroes nn.Dropout modules) and set the "
+                "config's attention_dropout to 0, or use tree_mode='off'"
             )
-        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-        if two_pass and getattr(self, "_entropy_bonus_enabled", False):
-            raise ValueError(
-                f"{name}: an entropy bonus (entropy_coef != 0 or adaptive entropy) needs the gradient of the "
-                "entropies, which the two-pass backward of tree_mode='dfs' / tree_token_budget does not route; use "
-                "tree_mode='packed' without tree_token_budget"
+        why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, parts.compute_dtype,
+                                args.tree_mode)
+        if why is not None:
+            raise ValueError(f"{name}: {why}")
+        if parts.absolute_positions:
+            warnings.warn(
+                f"{name}: {type(parts.causal_lm).__name__} has absolute position embeddings. The tree gives every token "
+                "its true position (its depth), as generation does; stock TRL's training forward passes no position "
+                "ids, so a left-padded prompt's tokens sit at shifted positions there. The tree's log-probs are the "
+                "right ones and differ from stock TRL's for padded rows (docs/trainers.md)",
+                stacklevel=3,
             )
         if self._cuda_graphs() and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(
@@ -80,6 +91,7 @@ class TreeTrainerMixin:
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
                 "tree_cuda_graphs=False"
             )
+        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         if two_pass and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
@@ -92,7 +104,7 @@ class TreeTrainerMixin:
         """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
         start = time.perf_counter()
         try:
-            if self.args.tree_mode == "off" or not self.model.training:
+            if self.args.tree_mode == "off" or self.args.tree_shuffle == "rows" or not self.model.training:
                 return super()._prepare_inputs(generation_batch)
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:
@@ -119,6 +131,8 @@ class TreeTrainerMixin:
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False
             self._sync_gradients(self.accelerator.unwrap_model(model))
+        if self.args.tree_mode != "off":
+            self._check_finite(model, loss, inputs)
         if loss.device.type == "cuda":
             torch.cuda.synchronize(loss.device)
         self._tree_step_seconds += time.perf_counter() - start - self._tree_prepare_seconds
@@ -126,6 +140,27 @@ class TreeTrainerMixin:
             self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
             self._tree_step_seconds = 0.0
         return loss
+
+    def _check_finite(self, model, loss: torch.Tensor, inputs: dict) -> None:
+        """Raise before the optimizer can write a non-finite loss or gradient into the model, naming the
+        micro-batch. Under fp16 loss scaling an overflow is expected and the scaler skips the step (the
+        Trainer's own handling), so nothing is raised there."""
+        if getattr(self.accelerator, "scaler", None) is not None:
+            return
+        grads = [p.grad for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else []
+        finite_grads = bool(torch.stack(norms).isfinite().all()) if norms else True
+        value = float(loss.detach())
+        if math.isfinite(value) and finite_grads:
+            return
+        what = "loss" if not math.isfinite(value) else "gradient"
+        rows = len(inputs["prompt_ids"]) if isinstance(inputs, dict) and "prompt_ids" in inputs else "?"
+        raise FloatingPointError(
+            f"{type(self).__name__}: non-finite {what} (loss {value}) at global step {self.state.global_step}, "
+            f"micro-step {self._step % self.args.steps_per_generation} of the generation batch ({rows} rows); the "
+            "optimizer step is not taken. Check the rewards and advantages (a reward function returning nan/inf) "
+            "and the loss settings; tree_mode='off' runs TRL's own path on the same data"
+        )
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(
@@ -147,8 +182,6 @@ class TreeTrainerMixin:
         present = sorted(k for k, v in multimodal.items() if v is not None)
         if present:
             raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
-        if compute_aux_loss:
-            raise ValueError(f"{type(self).__name__}: the MoE load-balancing loss is not computed over the tree")
         rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
         differentiable = torch.is_grad_enabled()
         calls = self._tree_calls(rows, None if differentiable else batch_size)
@@ -157,17 +190,33 @@ class TreeTrainerMixin:
         by_hand = differentiable and not two_pass and self._graphs_by_hand()
         if by_hand:
             self._tree_sync_pending = True
+        # what stock's padded forward shows the model: its width (a length-dependent RoPE chooses by it)
+        call_kwargs = dict(rope_length=input_ids.shape[1], lm_head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32",
+                                                                                     False)))
+        router = self._router() if compute_aux_loss else None
         with self.accelerator.autocast():
             logps, entropies = self._score_calls(self.accelerator.unwrap_model(model) if by_hand else model, rows,
-                                                 calls, forests, compute_entropy, two_pass)
+                                                 calls, forests, compute_entropy, two_pass, router, call_kwargs)
+        aux_loss = router.loss() if router is not None else None
         if two_pass:
             target = self.accelerator.unwrap_model(model)
-            logps, entropies = bridge(
-                logps, entropies, lambda grad: self._tree_backward(target, rows, calls, forests, grad)
-            )
+
+            def second_pass(grad_logps, grad_entropies, grad_aux=None):
+                self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, router, grad_aux,
+                                    call_kwargs)
+
+            logps, entropies, aux_loss = bridge(logps, entropies, second_pass, aux_loss)
         if differentiable:
             self._log_forests(forests)
-        return logps, entropies, None
+        return logps, entropies, aux_loss
+
+    def _router(self):
+        """A collector of the MoE load-balancing loss over the tree (``trl_tree.router``)."""
+        from ..router import RouterAux
+
+        config = self.model.config.get_text_config()
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        return RouterAux(num_experts, config.num_experts_per_tok)
 
     def _graphs_by_hand(self) -> bool:
         """Whether the policy's tree call runs on the unwrapped model, its gradients averaged by hand.
@@ -192,11 +241,35 @@ class TreeTrainerMixin:
         """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
         TRL's ``batch_size`` chunks bound memory as in TRL (groups kept together by sorting)."""
         seqs = [s.tolist() for s in rows.sequences]
-        calls = split_into_calls(seqs, self.args.tree_token_budget)
-        if self.args.tree_token_budget is None and batch_size is not None and batch_size < len(seqs):
+        budget = self.args.tree_token_budget
+        calls = split_into_calls(seqs, budget)
+        if budget is not None:
+            self._warn_budget_splits_groups(seqs, rows.score_from, budget)
+        if budget is None and batch_size is not None and batch_size < len(seqs):
             order = calls[0]
             calls = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         return calls
+
+    def _warn_budget_splits_groups(self, seqs: list[list[int]], score_from: list[int], budget: int) -> None:
+        """Warn once when ``tree_token_budget`` cuts prompt groups apart: their prompts are then
+        computed once per call (T/U falls towards 1 where the budget is below one sequence)."""
+        if getattr(self, "_tree_budget_warned", False):
+            return
+        groups: dict[tuple[int, ...], int] = {}
+        for seq, first in zip(seqs, score_from):
+            key = tuple(seq[:first])
+            groups[key] = groups.get(key, len(key)) + len(seq) - first
+        needed = max(groups.values())
+        if needed > budget:
+            self._tree_budget_warned = True
+            longest = max(len(s) for s in seqs)
+            warnings.warn(
+                f"tree_token_budget={budget} is smaller than a prompt group's unique tokens (up to {needed}"
+                f"{'; one sequence alone has ' + str(longest) if longest > budget else ''}): groups are cut into "
+                f"several calls and their prompts computed once per call{', T/U = 1' if longest > budget else ''}. "
+                f"A budget of at least {needed} keeps every group in one call",
+                stacklevel=2,
+            )
 
     def _mode_kwargs(self) -> dict:
         return dict(
@@ -209,13 +282,13 @@ class TreeTrainerMixin:
             cuda_graphs=self._cuda_graphs(),
         )
 
-    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph):
+    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None):
         lps, ents = [], []
-        kwargs = self._mode_kwargs()
+        kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
         with torch.no_grad() if no_graph else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
-                                    score_from=rows.subset(call)[1], **kwargs)
+                                    score_from=rows.subset(call)[1], router=router, **kwargs)
                 lp, ent = out if compute_entropy else (out, None)
                 lps.append(torch.cat(lp))
                 if ent is not None:
@@ -224,22 +297,37 @@ class TreeTrainerMixin:
         entropies = rows.to_padded(ents, calls) if compute_entropy else None
         return logps, entropies
 
-    def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor) -> None:
-        """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp``."""
-        kwargs = self._mode_kwargs()
+    def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
+                       grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
+                       call_kwargs: dict | None = None) -> None:
+        """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp`` (and
+        ``grad_entropies = dLoss/dentropy`` for an entropy bonus; ``grad_aux`` for the MoE
+        load-balancing loss collected in ``router``)."""
+        kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
+        with_entropy = grad_entropies is not None
+        if router is not None:
+            if grad_aux is None:
+                router = None  # the loss does not depend on it
+            else:
+                router.set_backward(grad_aux)
         with self.accelerator.autocast():
             for call, forest in zip(calls, forests):
                 seqs, score_from = rows.subset(call)
                 counts = [len(s) - f for s, f in zip(seqs, score_from)]
-                weights = grad[rows.positions([call])].float()  # flat, in the call's (row, token) order
+                where = rows.positions([call])
+                weights = grad[where].float()  # flat, in the call's (row, token) order
+                ent_weights = grad_entropies[where].float() if with_entropy else None
                 offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
                 first = torch.tensor([f - 1 for f in score_from], device=grad.device)
 
-                def token_loss(lp, seq_idx, pos, weights=weights, offsets=offsets, first=first):
-                    return lp * weights[offsets[seq_idx] + pos - first[seq_idx]]
+                def token_loss(lp, seq_idx, pos, ent=None, weights=weights, ent_weights=ent_weights, offsets=offsets,
+                               first=first):
+                    index = offsets[seq_idx] + pos - first[seq_idx]
+                    terms = lp * weights[index]
+                    return terms if ent is None else terms + ent * ent_weights[index]
 
-                tree_backward(model, forest, token_loss, score_from=score_from,
-                              keep_graph=self.args.tree_keep_graph, **kwargs)
+                tree_backward(model, forest, token_loss, score_from=score_from, keep_graph=self.args.tree_keep_graph,
+                              with_entropy=with_entropy, router=router, **kwargs)
         self._sync_gradients(model)
 
     def _sync_gradients(self, model) -> None:
