@@ -21,9 +21,10 @@ from trl_tree.tiny import tiny_model, tiny_tokenizer
 PROMPTS = [("count the a letters in " + "banana " * (1 + i % 3) + str(i)) for i in range(32)]
 
 
-def save_tiny_checkpoint(path) -> str:
+def save_tiny_checkpoint(path, family: str = "qwen2", **overrides) -> str:
     tok = tiny_tokenizer()
-    model = tiny_model("qwen2", vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.05)
+    fields = dict(vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.05)
+    model = tiny_model(family, **{**fields, **overrides})
     for cfg in (model.config, model.generation_config):
         cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
     model.save_pretrained(path)

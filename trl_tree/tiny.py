@@ -20,6 +20,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", {"logits_scaling": 2.0, "residual_multiplier": 0.5}),
+    # attention variants: soft-capping and alternating windows; sinks, windows and experts
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "query_pre_attn_scalar": 8, "final_logit_softcapping": None}),
+    "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 16}),
 }
 
 #: (hidden, intermediate, layers, heads, kv heads, vocab, max positions) of Qwen2.5 models
