@@ -92,8 +92,9 @@ def test_variants_refused_where_a_kernel_cannot_compute_them():
     assert unsupported_variant("torch_flash", "dfs") is None
     gemma = tiny_model("gemma2", attn_implementation="eager", attn_logit_softcapping=20.0)
     assert attention_refusal(gemma, "sdpa", torch.device("cpu"), torch.float32, "packed") is None
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        attention_refusal(gemma, "torch_flash", torch.device("cpu"), torch.float32, "packed")
+    assert "soft-capping" in attention_refusal(gemma, "torch_flash", torch.device("cpu"), torch.float32, "packed")
+    plain = tiny_model("qwen2")
+    assert "needs a CUDA device" in attention_refusal(plain, "torch_flash", torch.device("cpu"), torch.float32, "dfs")
 
 
 def _padded_moe_reference(model, seqs, logp_weight, aux_weight):

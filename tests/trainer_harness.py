@@ -68,11 +68,10 @@ def run(trainer_cls, config_cls, checkpoint: str, *, dataset=None, trainer_kwarg
     torch.manual_seed(0)
     trainer = trainer_cls(
         model=checkpoint,
-        reward_funcs=reward_a,
         args=args,
         train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tok,
-        **(trainer_kwargs or {}),
+        **{"reward_funcs": reward_a, **(trainer_kwargs or {})},
     )
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()

@@ -55,16 +55,22 @@ def unsupported_variant(backend: str, mode: str, softcap: float | None = None, s
 def attention_refusal(model, attn_backend: str, device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
     """Why the tree cannot run ``model``'s attention with ``attn_backend`` in ``mode`` — known from the
     config before any forward — or None. ``"auto"`` is resolved as the engine would resolve it."""
-    from .backends import resolve_backend
+    from .backends import backend_available, resolve_backend
 
     features = attention_features(model.config)
-    if mode == "dfs":
-        from ..dfs.walk import resolve_dfs_backend
+    if attn_backend == "auto":
+        if mode == "dfs":
+            from ..dfs.walk import resolve_dfs_backend
 
-        backend = resolve_dfs_backend(attn_backend, device, dtype, **features)
+            backend = resolve_dfs_backend(attn_backend, device, dtype, **features)
+        else:
+            backend = resolve_backend(attn_backend, device, dtype, **features)
     else:
-        backend = resolve_backend(attn_backend, device, dtype, **features)
+        backend = attn_backend  # the variants first: a named kernel that cannot compute them, on any device
     why = unsupported_variant(backend, mode, features["softcap"], features["sinks"])
     if why is None:
+        if attn_backend != "auto":
+            ok, reason = backend_available(attn_backend, device, dtype)
+            return None if ok else reason
         return None
     return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"

@@ -70,8 +70,8 @@ class TreeTrainerMixin:
             raise ValueError(
                 f"{name}: dropout is active in the model ({', '.join(dropout[:4])}{' ...' if len(dropout) > 4 else ''});"
                 " the tree computes a shared token once and cannot draw one dropout mask per sequence as the untreed "
-                "batch does. Keep disable_dropout=True (TRL's default; it zeroes nn.Dropout modules) and set the "
-                "config's attention_dropout to 0, or use tree_mode='off'"
+                "batch does. Set disable_dropout=True (it zeroes nn.Dropout modules; TRL leaves them on by default) "
+                "and the config's attention_dropout to 0, or use tree_mode='off'"
             )
         why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, parts.compute_dtype,
                                 args.tree_mode)
@@ -132,7 +132,7 @@ class TreeTrainerMixin:
             self._tree_sync_pending = False
             self._sync_gradients(self.accelerator.unwrap_model(model))
         if self.args.tree_mode != "off":
-            self._check_finite(model, loss, inputs)
+            self._check_finite(model, loss)
         if loss.device.type == "cuda":
             torch.cuda.synchronize(loss.device)
         self._tree_step_seconds += time.perf_counter() - start - self._tree_prepare_seconds
@@ -141,7 +141,7 @@ class TreeTrainerMixin:
             self._tree_step_seconds = 0.0
         return loss
 
-    def _check_finite(self, model, loss: torch.Tensor, inputs: dict) -> None:
+    def _check_finite(self, model, loss: torch.Tensor) -> None:
         """Raise before the optimizer can write a non-finite loss or gradient into the model, naming the
         micro-batch. Under fp16 loss scaling an overflow is expected and the scaler skips the step (the
         Trainer's own handling), so nothing is raised there."""
@@ -154,10 +154,12 @@ class TreeTrainerMixin:
         if math.isfinite(value) and finite_grads:
             return
         what = "loss" if not math.isfinite(value) else "gradient"
-        rows = len(inputs["prompt_ids"]) if isinstance(inputs, dict) and "prompt_ids" in inputs else "?"
+        micro_step = (self._step - 1) % self.args.steps_per_generation  # TRL counted this micro-step already
+        buffered = self._buffered_inputs[micro_step] if self._buffered_inputs else None
+        rows = len(buffered["prompt_ids"]) if buffered is not None else "?"
         raise FloatingPointError(
             f"{type(self).__name__}: non-finite {what} (loss {value}) at global step {self.state.global_step}, "
-            f"micro-step {self._step % self.args.steps_per_generation} of the generation batch ({rows} rows); the "
+            f"micro-step {micro_step} of the generation batch ({rows} rows); the "
             "optimizer step is not taken. Check the rewards and advantages (a reward function returning nan/inf) "
             "and the loss settings; tree_mode='off' runs TRL's own path on the same data"
         )
