@@ -31,7 +31,7 @@ def _math_backend(mp: pytest.MonkeyPatch, dense: bool) -> None:
         mp.setitem(partial.DENSE_KERNELS, "math", MATH_DENSE)
     mp.setattr(partial, "DENSE_MIN_ROWS", 1)  # the tiny test trees' blocks count as dense
     mp.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-    mp.setattr(engine, "resolve_backend", lambda requested, device, dtype: "math")
+    mp.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
 
 
 @pytest.fixture(params=[False, True], ids=["varlen", "dense"])
