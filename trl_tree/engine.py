@@ -8,9 +8,9 @@ backward is an ordinary one and works under HF gradient checkpointing, DDP and P
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -26,15 +26,17 @@ from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .attention.support import attention_features
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
-from .router import RouterAux, record_router_logits
 from .model_parts import (
     ModelParts,
     activation_checkpointing,
     active_dropout,
     capture_last_hidden_state,
+    dropout_rate,
+    is_dropout_site,
     model_parts,
     rope_length_hint,
 )
+from .router import RouterAux, record_router_logits
 
 MODES = ("packed", "dfs", "auto")
 
@@ -114,22 +116,14 @@ def _check_dropout(parts: ModelParts) -> None:
         return
     sites = _DROPOUT_SITES.get(model)
     if sites is None:
-        sites = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
-                 or isinstance(m.__dict__.get("attention_dropout"), float)
-                 or isinstance(m.__dict__.get("attn_dropout"), float)]
+        sites = [m for m in model.modules() if is_dropout_site(m)]
         _DROPOUT_SITES[model] = sites
-    if any(m.training and _rate(m) > 0 for m in sites):
+    if any(m.training and dropout_rate(m) > 0 for m in sites):
         raise ValueError(
             f"dropout is active in training mode ({', '.join(active_dropout(model))}); the tree computes a shared "
             "token once and cannot draw one dropout mask per sequence. Set the rates to 0 (TRL's disable_dropout=True "
             "covers nn.Dropout modules; attention dropout is the config's attention_dropout) or call model.eval()"
         )
-
-
-def _rate(module: torch.nn.Module) -> float:
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-        return module.p
-    return max(module.__dict__.get("attention_dropout") or 0.0, module.__dict__.get("attn_dropout") or 0.0)
 
 
 @contextmanager
@@ -331,11 +325,12 @@ def _score(
     may run other kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so
     that eager calls keep the eager choice."""
     host_targets = forest.tokens[plan.pred_dst]
+    moe = (forest.multiplicity,) if parts.router is not None else ()  # the router loss's token weights
     tokens, pred_src, targets, gather, *extra_t = upload(
-        [forest.tokens, plan.pred_src, host_targets, plan.gather, *extra], torch.int64, parts.device)
+        [forest.tokens, plan.pred_src, host_targets, plan.gather, *moe, *extra], torch.int64, parts.device)
+    if moe:
+        parts.router_weights = extra_t.pop(0)
     meta = scores = checkpointing = None
-    if parts.router is not None:
-        (parts.router_weights,) = upload([forest.multiplicity], torch.int64, parts.device)
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None

@@ -35,6 +35,8 @@ class ModelParts:
     final_logit_softcapping: float | None
     logit_scale: float
     head_dim: int
+    #: the dtype the layers compute in (``_layer_dtype``)
+    compute_dtype: torch.dtype = torch.float32
     #: a learned table of absolute positions (GPT-2's ``wpe``): depths past it cannot be computed
     absolute_positions: bool = False
     #: rotary modules whose frequencies follow the call's length (dynamic NTK, LongRoPE)
@@ -52,14 +54,6 @@ class ModelParts:
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the layers compute in: the first decoder parameter's, not the head's (TRL's
-        ``cast_lm_head_to_fp32`` makes the head fp32 while the layers stay bf16)."""
-        for p in self.backbone.parameters():
-            if p.is_floating_point() and p is not self.causal_lm.get_input_embeddings().weight:
-                return p.dtype
-        return self.lm_head.weight.dtype
 
 
 def head_dim_of(config) -> int:
@@ -132,6 +126,7 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         )
     vocab = causal_lm.get_input_embeddings().num_embeddings
     return ModelParts(
+        compute_dtype=_layer_dtype(backbone, causal_lm.get_input_embeddings(), lm_head),
         absolute_positions=_has_absolute_positions(backbone, causal_lm.get_input_embeddings()),
         length_dependent_rope=_length_dependent_rope(backbone),
         outer=model,
@@ -145,6 +140,16 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim_of(text_config),
     )
+
+
+def _layer_dtype(backbone: torch.nn.Module, token_embeddings: torch.nn.Module, lm_head: torch.nn.Module
+                 ) -> torch.dtype:
+    """The first decoder parameter's dtype, not the head's: TRL's ``cast_lm_head_to_fp32`` makes the
+    head (and a tied embedding) fp32 while the layers stay bf16."""
+    for p in backbone.parameters():
+        if p.is_floating_point() and p is not token_embeddings.weight:
+            return p.dtype
+    return lm_head.weight.dtype
 
 
 def _has_absolute_positions(backbone: torch.nn.Module, token_embeddings: torch.nn.Module) -> bool:
@@ -201,6 +206,32 @@ def rope_length_hint(parts: ModelParts):
             del module.forward  # the instance attribute; the class's forward shows again
 
 
+#: attributes an attention module keeps its dropout rate in (not an ``nn.Dropout``, so TRL's
+#: ``disable_dropout`` does not reach it)
+ATTENTION_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout")
+
+
+def _attention_rates(module: torch.nn.Module) -> list[tuple[str, float]]:
+    rates = []
+    for attr in ATTENTION_DROPOUT_ATTRS:
+        rate = module.__dict__.get(attr)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            rates.append((attr, float(rate)))
+    return rates
+
+
+def is_dropout_site(module: torch.nn.Module) -> bool:
+    """An ``nn.Dropout`` module, or an attention module holding a dropout rate."""
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd) or bool(_attention_rates(module))
+
+
+def dropout_rate(module: torch.nn.Module) -> float:
+    """The rate a dropout site draws masks with (the largest, for an attention module)."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p
+    return max((rate for _, rate in _attention_rates(module)), default=0.0)
+
+
 def active_dropout(model: torch.nn.Module) -> list[str]:
     """What would draw dropout masks in a training forward of ``model``: ``nn.Dropout`` modules with
     ``p > 0`` (by name) and attention dropout (an attention module's ``attention_dropout`` /
@@ -212,10 +243,7 @@ def active_dropout(model: torch.nn.Module) -> list[str]:
             if module.p > 0:
                 found.append(f"{name or type(module).__name__} (p={module.p})")
             continue
-        for attr in ("attention_dropout", "attn_dropout"):
-            rate = module.__dict__.get(attr)
-            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
-                found.append(f"{name}.{attr} ({rate})")
+        found += [f"{name}.{attr} ({rate})" for attr, rate in _attention_rates(module) if rate > 0]
     return found
 
 

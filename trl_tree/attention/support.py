@@ -58,19 +58,15 @@ def attention_refusal(model, attn_backend: str, device: torch.device, dtype: tor
     from .backends import backend_available, resolve_backend
 
     features = attention_features(model.config)
-    if attn_backend == "auto":
-        if mode == "dfs":
-            from ..dfs.walk import resolve_dfs_backend
+    backend = attn_backend  # named: the variants first, on any device; then whether it runs here
+    if attn_backend == "auto" and mode == "dfs":
+        from ..dfs.walk import resolve_dfs_backend
 
-            backend = resolve_dfs_backend(attn_backend, device, dtype, **features)
-        else:
-            backend = resolve_backend(attn_backend, device, dtype, **features)
-    else:
-        backend = attn_backend  # the variants first: a named kernel that cannot compute them, on any device
+        backend = resolve_dfs_backend(attn_backend, device, dtype, **features)
+    elif attn_backend == "auto":
+        backend = resolve_backend(attn_backend, device, dtype, **features)
     why = unsupported_variant(backend, mode, features["softcap"], features["sinks"])
-    if why is None:
-        if attn_backend != "auto":
-            ok, reason = backend_available(attn_backend, device, dtype)
-            return None if ok else reason
-        return None
-    return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"
+    if why is not None:
+        return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"
+    ok, reason = backend_available(backend, device, dtype)
+    return None if ok else reason

@@ -245,7 +245,7 @@ class TreeTrainerMixin:
         seqs = [s.tolist() for s in rows.sequences]
         budget = self.args.tree_token_budget
         calls = split_into_calls(seqs, budget)
-        if budget is not None:
+        if budget is not None and len(calls) > 1:  # one call holds every group whole
             self._warn_budget_splits_groups(seqs, rows.score_from, budget)
         if budget is None and batch_size is not None and batch_size < len(seqs):
             order = calls[0]
@@ -257,11 +257,11 @@ class TreeTrainerMixin:
         computed once per call (T/U falls towards 1 where the budget is below one sequence)."""
         if getattr(self, "_tree_budget_warned", False):
             return
-        groups: dict[tuple[int, ...], int] = {}
-        for seq, first in zip(seqs, score_from):
-            key = tuple(seq[:first])
-            groups[key] = groups.get(key, len(key)) + len(seq) - first
-        needed = max(groups.values())
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (seq, first) in enumerate(zip(seqs, score_from)):
+            groups.setdefault(tuple(seq[:first]), []).append(i)
+        completion_len = [len(seq) - first for seq, first in zip(seqs, score_from)]
+        needed = max(group_cost(rows, score_from, completion_len) for rows in groups.values())
         if needed > budget:
             self._tree_budget_warned = True
             longest = max(len(s) for s in seqs)
