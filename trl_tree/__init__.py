@@ -5,7 +5,7 @@ its unique tokens with tree attention, exactly (see docs/design.md).
 """
 
 from .compile import compile_layers, uncompile_layers
-from .engine import tree_backward, tree_logprobs
+from .engine import tree_backward, tree_logprobs, tree_value_backward, tree_values
 from .forest import PrefixForest
 
 
@@ -18,9 +18,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_TRAINERS = ("TreeGRPOConfig", "TreeGRPOTrainer", "TreeRLOOConfig", "TreeRLOOTrainer")
+_TRAINERS = ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer", "TreeRLOOConfig",
+             "TreeRLOOTrainer")
 
 __version__ = "0.1.0"
 
-__all__ = ["PrefixForest", "compile_layers", "tree_backward", "tree_logprobs", "uncompile_layers", "__version__",
+__all__ = ["PrefixForest", "compile_layers", "tree_backward", "tree_logprobs", "tree_value_backward", "tree_values",
+           "uncompile_layers", "__version__",
            *_TRAINERS]

@@ -25,7 +25,7 @@ from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetad
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .attention.support import attention_features
 from .forest import PrefixForest, ScoringPlan
-from .lm_head import score_predictions
+from .lm_head import score_rows
 from .model_parts import (
     ModelParts,
     activation_checkpointing,
@@ -35,6 +35,7 @@ from .model_parts import (
     is_dropout_site,
     model_parts,
     rope_length_hint,
+    value_model_parts,
 )
 from .router import RouterAux, record_router_logits
 
@@ -63,14 +64,27 @@ def _check_temperature(temperature: float) -> None:
 
 
 def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest, rope_length: int | None = None,
-            lm_head_fp32: bool = False, router: RouterAux | None = None) -> tuple[ModelParts, PrefixForest]:
+            lm_head_fp32: bool = False, router: RouterAux | None = None, value_head: torch.nn.Module | None = None,
+            values_only: bool = False) -> tuple[ModelParts, PrefixForest]:
     """Validate the model and the sequences against each other; build the forest.
+
+    ``value_head``: also read values at the scored positions (``values_only``: only values, from the
+    backbone of ``model`` — ``model_parts.value_model_parts``).
 
     ``rope_length``: the length a length-dependent RoPE (dynamic NTK, LongRoPE) chooses its
     frequencies for (``model_parts.rope_length_hint``); None: the longest sequence, what a padded
     batch of these sequences shows it. ``lm_head_fp32``: score in fp32 outside autocast.
     ``router``: collect (or back-propagate) the MoE load-balancing loss (``trl_tree.router``)."""
-    parts = model_parts(model)
+    if values_only:
+        if value_head is None:
+            raise TypeError("a value-only call needs a value_head")
+        parts = value_model_parts(model, value_head)
+    else:
+        parts = model_parts(model)
+        if value_head is not None:
+            if not isinstance(value_head, torch.nn.Module):
+                raise TypeError(f"value_head must be a torch.nn.Module, got {type(value_head).__name__}")
+            parts.value_head = value_head
     forest = seqs if isinstance(seqs, PrefixForest) else PrefixForest.from_sequences(seqs)
     lo, hi = int(forest.tokens.min()), int(forest.tokens.max())
     if lo < 0 or hi >= parts.vocab_size:
@@ -111,7 +125,7 @@ _DROPOUT_SITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _check_dropout(parts: ModelParts) -> None:
     """Refuse a training-mode call where dropout would draw masks: the tree would draw one per
     unique token, the untreed computation one per sequence — a different, correlated noise."""
-    model = parts.causal_lm
+    model = parts.causal_lm if parts.scores_logps else parts.backbone  # a value model's own head is not run
     if not model.training:
         return
     sites = _DROPOUT_SITES.get(model)
@@ -147,6 +161,15 @@ def _router_kwargs(parts: ModelParts) -> dict:
                                                       "output_router_logits") else {}
 
 
+def _call_kwargs(parts: ModelParts) -> dict:
+    """What every model call gets besides its inputs: no cache; no logits from a causal LM (the
+    engine applies its heads itself; a value-only call goes to the backbone, which makes none)."""
+    kwargs = {"use_cache": False, **_router_kwargs(parts)}
+    if not parts.calls_backbone:
+        kwargs["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=parts.device)
+    return kwargs
+
+
 def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tensor:
     """Final hidden states ``[n, H]`` of ``input_ids [1, n]`` (on the model's device) run as one packed
     row under tree metadata ``meta``.
@@ -163,9 +186,7 @@ def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tens
             input_ids=input_ids,
             position_ids=meta.position_ids,
             attention_mask=placeholder_mask,
-            use_cache=False,
-            logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
-            **_router_kwargs(parts),
+            **_call_kwargs(parts),
             **{TREE_KWARG: meta},
         )
     _check_every_layer(parts, meta, captured)
@@ -259,9 +280,7 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
     input_ids = tokens.view(-1, length)
     meta = DenseCausalBatch(max_depth=length)
     with model_call(parts) as captured:
-        parts.outer(input_ids=input_ids, use_cache=False,
-                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=parts.device), **_router_kwargs(parts),
-                    **{TREE_KWARG: meta})
+        parts.outer(input_ids=input_ids, **_call_kwargs(parts), **{TREE_KWARG: meta})
     _check_every_layer(parts, meta, captured)
     hidden = captured[-1]
     return hidden.reshape(-1, hidden.shape[-1])
@@ -315,9 +334,10 @@ def _score(
     extra: tuple[np.ndarray, ...] = (),
     keep_attention: bool | None = None,
     cuda_graphs: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """Per-term log-probs (and entropies), flat in sequence order (``plan.gather`` order), and the
-    ``extra`` int64 arrays on the device. Every index array goes up in one copy before the forward
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
+    """Per-term log-probs (and entropies; and values with ``parts.value_head``; a value-only call
+    has no log-probs), flat in sequence order (``plan.gather`` order), and the ``extra`` int64
+    arrays on the device. Every index array goes up in one copy before the forward
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
     ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
     (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
@@ -334,7 +354,7 @@ def _score(
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None
-            and not parts.length_dependent_rope and parts.router is None):
+            and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
         from .graphs import graphed_scores
 
         backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype,
@@ -350,9 +370,10 @@ def _score(
             meta = tree_metadata(parts, forest, backend, rechoose=meta)
     if scores is None:
         hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta, checkpointing)
-        scores = score_predictions(hidden, parts, pred_src, targets, temperature, return_entropy)
-    logp, ent = scores
-    return logp.index_select(0, gather), (ent.index_select(0, gather) if ent is not None else None), extra_t
+        scores = score_rows(hidden, parts, pred_src, targets, temperature, return_entropy)
+    else:
+        scores = (*scores, None)
+    return (*(x.index_select(0, gather) if x is not None else None for x in scores), extra_t)
 
 
 def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, pred_src: np.ndarray, targets: np.ndarray,
@@ -435,7 +456,8 @@ def tree_logprobs(
     rope_length: int | None = None,
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
-) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+    value_head: torch.nn.Module | None = None,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
     ``logps[i][j] = log p(seqs[i][j + 1] | seqs[i][: j + 1])`` (logits divided by ``temperature``),
@@ -463,30 +485,70 @@ def tree_logprobs(
     ``lm_head_fp32=True``: the LM head computes in fp32 outside autocast (TRL's
     ``cast_lm_head_to_fp32``). ``router``: a :class:`trl_tree.router.RouterAux` that receives
     every call's router logits (an MoE model's load-balancing loss, ``router.loss()``).
+    ``value_head``: a critic's head on the policy's trunk (hidden ``[n, H]`` -> ``[n, 1]``); the same
+    forward also gives ``values[i][j]``, the head at the state that predicts ``logps[i][j]``, returned
+    last: ``(logps, values)`` or ``(logps, entropies, values)``.
     """
+    logp, ent, values, plan = _forward_scores(
+        model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size, memory_budget,
+        keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head, values_only=False)
+    counts = plan.counts.tolist()
+    out = [list(logp.split(counts))]
+    if return_entropy:
+        out.append(list(ent.split(counts)))
+    if value_head is not None:
+        out.append(list(values.split(counts)))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def tree_values(
+    model: torch.nn.Module,
+    seqs: Sequence[SequenceLike] | PrefixForest,
+    value_head: torch.nn.Module,
+    mode: str = "packed",
+    attn_backend: str = "auto",
+    score_from: int | Sequence[int] | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    keep_attention: bool | None = None,
+    rope_length: int | None = None,
+) -> list[torch.Tensor]:
+    """A critic's values over the tree, each shared token computed once: ``values[i][j]`` is
+    ``value_head`` applied to the final hidden state of ``seqs[i][: j + 1]`` — the state before the
+    token ``logps[i][j]`` of :func:`tree_logprobs` scores (same ``score_from``, same shapes).
+
+    ``model``'s backbone runs, called directly, with no LM head: a ``*ForTokenClassification``
+    value model, or a causal LM (its trunk under whatever PEFT adapter is active — a critic
+    adapter). Modes and the other arguments as in :func:`tree_logprobs`; packed calls with grad
+    enabled are differentiable (the backbone's and the head's parameters)."""
+    _, _, values, plan = _forward_scores(
+        model, seqs, mode, attn_backend, 1.0, False, score_from, chunk_size, memory_budget, keep_attention, False,
+        rope_length, False, None, value_head, values_only=True)
+    return list(values.split(plan.counts.tolist()))
+
+
+def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size,
+                    memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head,
+                    values_only: bool):
+    """Flat ``(logps, entropies, values, plan)`` of :func:`tree_logprobs` / :func:`tree_values`."""
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
     _check_keep_attention(keep_attention)
     _check_cuda_graphs(cuda_graphs, mode)
-    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router)
+    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
                          forward_only=True)
-        logp_rows, ent_rows = walk.logprobs(return_entropy)
-        gather = torch.from_numpy(plan.gather).to(logp_rows.device)
-        logp = logp_rows.index_select(0, gather)
-        ent = ent_rows.index_select(0, gather) if ent_rows is not None else None
+        rows = walk.logprobs(return_entropy)
+        gather = torch.from_numpy(plan.gather).to(parts.device)
+        logp, ent, values = (x.index_select(0, gather) if x is not None else None for x in rows)
     else:
-        logp, ent, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy,
-                              keep_attention=keep_attention, cuda_graphs=cuda_graphs)
-    counts = plan.counts.tolist()
-    logps = list(logp.split(counts))
-    if return_entropy:
-        return logps, list(ent.split(counts))
-    return logps
+        logp, ent, values, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy,
+                                      keep_attention=keep_attention, cuda_graphs=cuda_graphs)
+    return logp, ent, values, plan
 
 
 def tree_backward(
@@ -506,6 +568,7 @@ def tree_backward(
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
     with_entropy: bool = False,
+    value_head: torch.nn.Module | None = None,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -530,7 +593,43 @@ def tree_backward(
     loss stays eager, only the model's forward and backward are replayed); ``rope_length`` and
     ``lm_head_fp32`` as there; ``router`` after ``router.set_backward(grad)``: the MoE
     load-balancing loss's share of every piece is back-propagated with it (``trl_tree.router``).
+    ``value_head``: a critic's head on the policy's trunk, read in the same forward (see
+    :func:`tree_logprobs`); ``token_loss`` then also gets the values, as keyword ``values``.
     """
+    return _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_from, chunk_size, keep_graph,
+                     memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, with_entropy,
+                     value_head, values_only=False)
+
+
+def tree_value_backward(
+    model: torch.nn.Module,
+    seqs: Sequence[SequenceLike] | PrefixForest,
+    value_loss: TokenLoss,
+    value_head: torch.nn.Module,
+    mode: str = "packed",
+    attn_backend: str = "auto",
+    score_from: int | Sequence[int] | None = None,
+    chunk_size: int | None = None,
+    keep_graph: bool | None = None,
+    memory_budget: int | None = None,
+    keep_attention: bool | None = None,
+    rope_length: int | None = None,
+) -> float:
+    """Back-propagate ``sum_i sum_j value_loss(values[i][j], i, j)`` (the values of
+    :func:`tree_values`) through a critic's backbone and ``value_head``; the contract of
+    :func:`tree_backward` otherwise (elementwise ``value_loss``, gradients accumulated onto
+    ``.grad``, the loss value returned). A PPO value loss is elementwise in the values — a clipped
+    squared error against fixed returns, over a fixed number of tokens — so the critic's whole
+    update runs in one pass, without a second forward."""
+    return _backward(model, seqs, value_loss, mode, attn_backend, 1.0, score_from, chunk_size, keep_graph,
+                     memory_budget, keep_attention, False, rope_length, False, None, False, value_head,
+                     values_only=True)
+
+
+def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_from, chunk_size, keep_graph,
+              memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, with_entropy, value_head,
+              values_only: bool) -> float:
+    """:func:`tree_backward` and :func:`tree_value_backward`."""
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
@@ -538,7 +637,7 @@ def tree_backward(
     _check_cuda_graphs(cuda_graphs, mode)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router)
+    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
     plan = forest.scoring_plan(score_from)
     if mode == "dfs":
@@ -553,11 +652,10 @@ def tree_backward(
                                      "it left in .grad are not finite")
         return total
     with torch.enable_grad():
-        logp, ent, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, with_entropy,
-                                           extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
-                                           cuda_graphs=cuda_graphs)
-        terms = token_loss(logp, seq_idx, pos, ent) if with_entropy else token_loss(logp, seq_idx, pos)
-        check_loss_terms(terms, logp)
+        logp, ent, values, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, with_entropy,
+                                                   extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
+                                                   cuda_graphs=cuda_graphs)
+        terms = call_token_loss(token_loss, logp, ent, values, seq_idx, pos, with_entropy, parts.scores_logps)
         loss = terms.sum()
         router_term = router.take_term() if router is not None else None
         if router_term is not None:
@@ -572,3 +670,20 @@ def tree_backward(
             f"{' ...' if len(bad) > 16 else ''}; the gradients it left in .grad are not finite"
         )
     return total
+
+
+def call_token_loss(token_loss: Callable, logp: torch.Tensor | None, ent: torch.Tensor | None,
+                    values: torch.Tensor | None, seq_idx: torch.Tensor, pos: torch.Tensor, with_entropy: bool,
+                    scores_logps: bool = True) -> torch.Tensor:
+    """A loss's terms by the engine's calling convention: the scored quantity first (log-probs, or
+    the values of a value-only call), then ``seq_idx``, ``pos``, the entropies with
+    ``with_entropy``, and ``values=`` where values are read beside the log-probs; checked to be one
+    term each."""
+    if not scores_logps:
+        terms = token_loss(values, seq_idx, pos)
+        check_loss_terms(terms, values)
+        return terms
+    args = (logp, seq_idx, pos, ent) if with_entropy else (logp, seq_idx, pos)
+    terms = token_loss(*args, values=values) if values is not None else token_loss(*args)
+    check_loss_terms(terms, logp)
+    return terms

@@ -1,4 +1,4 @@
-"""Score each unique prediction once with TRL's chunked fused log-prob head.
+"""Score each unique prediction once with TRL's chunked fused log-prob head (and a value head).
 
 A prediction is (source hidden state, next token). In the forest every unique token except a
 root's first is predicted exactly once, from the token before it on its path; a fork token's
@@ -50,6 +50,41 @@ def score_predictions(
             return _apply(src.float(), weight.float(), bias.float() if bias is not None else None, parts, targets,
                           temperature, with_entropy)
     return _apply(src, weight, bias, parts, targets, temperature, with_entropy)
+
+
+def score_values(hidden: torch.Tensor, value_head: torch.nn.Module, pred_src: torch.Tensor) -> torch.Tensor:
+    """``[P]`` float32 values of ``value_head`` read at ``hidden[pred_src]``: a critic's V(s) for the
+    state before each scored token — the same source positions the log-probs are predicted from."""
+    src = hidden.index_select(0, pred_src)
+    weight = next(value_head.parameters(), None)
+    if weight is not None and weight.device != src.device:
+        src = src.to(weight.device)
+    out = value_head(src)
+    if out.dim() == 2 and out.shape[-1] == 1:
+        out = out.squeeze(-1)
+    if out.shape != (src.shape[0],):
+        raise ValueError(f"the value head must map hidden states [n, H] to one value each ([n] or [n, 1]), got "
+                         f"{tuple(out.shape)} for n={src.shape[0]}")
+    return out.float()
+
+
+def score_rows(
+    hidden: torch.Tensor,
+    parts: ModelParts,
+    pred_src: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    head_grad: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(logps, entropies, values)`` at the predictions ``pred_src``: the LM head's (unless the call
+    scores values only, ``parts.scores_logps`` False: then None, None) and ``parts.value_head``'s
+    (None without one). ``head_grad`` as in :func:`score_predictions` (the LM head only)."""
+    values = score_values(hidden, parts.value_head, pred_src) if parts.value_head is not None else None
+    if not parts.scores_logps:
+        return None, None, values
+    logp, ent = score_predictions(hidden, parts, pred_src, targets, temperature, with_entropy, head_grad)
+    return logp, ent, values
 
 
 def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, with_entropy: bool):

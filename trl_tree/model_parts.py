@@ -49,10 +49,22 @@ class ModelParts:
     router: object | None = None
     #: multiplicities of the next model call's unique tokens (``router``'s weights), on the device
     router_weights: torch.Tensor | None = None
+    #: a value head (hidden ``[n, H]`` -> ``[n, 1]``) read at the same positions as the log-probs:
+    #: beside them (a critic sharing the policy's trunk) or, without ``scores_logps``, instead of them
+    value_head: torch.nn.Module | None = None
+    #: whether the LM head scores log-probs (False: a value-only call, ``value_model_parts``)
+    scores_logps: bool = True
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        if self.lm_head is not None:
+            return self.lm_head.weight.device
+        return self.causal_lm.get_input_embeddings().weight.device
+
+    @property
+    def calls_backbone(self) -> bool:
+        """Whether a call goes to the backbone itself (a value-only call: no LM head, no logits)."""
+        return self.outer is self.backbone
 
 
 
@@ -106,6 +118,12 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
             f"{type(model).__name__} holds no transformers PreTrainedModel with an LM head; the tree engine "
             "needs a *ForCausalLM model (bare, PEFT-wrapped or Accelerate-wrapped)"
         )
+    return _parts_of(model, causal_lm, causal_lm.get_output_embeddings())
+
+
+def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torch.nn.Module | None) -> ModelParts:
+    """Validate the layers of ``pretrained`` (a causal LM, or a value model when ``lm_head`` is None)."""
+    causal_lm = pretrained
     text_config = causal_lm.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or ()
     unsupported = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
@@ -117,7 +135,6 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
-    lm_head = causal_lm.get_output_embeddings()
     if hasattr(lm_head, "base_layer"):  # a PEFT tuner layer (LoRA, IA3, ...) wrapped around the head
         raise ValueError(
             f"the LM head carries a PEFT adapter ({type(lm_head).__name__}: 'lm_head' in target_modules); the tree "
@@ -142,14 +159,41 @@ def model_parts(model: torch.nn.Module) -> ModelParts:
     )
 
 
-def _layer_dtype(backbone: torch.nn.Module, token_embeddings: torch.nn.Module, lm_head: torch.nn.Module
+def value_model_parts(model: torch.nn.Module, value_head: torch.nn.Module) -> ModelParts:
+    """The parts of a critic's forward: the backbone of ``model`` — a ``*ForCausalLM`` (a value head
+    on the policy's trunk or on a critic adapter), a ``*ForTokenClassification`` value model, bare
+    or PEFT-wrapped — called directly (no LM head, no logits) and ``value_head`` applied by the
+    engine at the scored positions. The backbone runs whatever adapter is active (PEFT injects its
+    layers there); a DDP wrapper is bypassed, so the caller averages these gradients itself."""
+    if not isinstance(value_head, torch.nn.Module):
+        raise TypeError(f"value_head must be a torch.nn.Module mapping hidden states to one value, got "
+                        f"{type(value_head).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module holding a transformers model, got {type(model).__name__}")
+    causal_lm = _find_causal_lm(model)
+    if causal_lm is not None:
+        parts = model_parts(model)
+    else:
+        pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+        if pretrained is None or pretrained.base_model is pretrained:
+            raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel with a backbone "
+                            "(base_model_prefix); a value model is e.g. AutoModelForTokenClassification(num_labels=1)")
+        parts = _parts_of(model, pretrained, None)
+    parts.outer = parts.backbone
+    parts.lm_head = None
+    parts.value_head = value_head
+    parts.scores_logps = False
+    return parts
+
+
+def _layer_dtype(backbone: torch.nn.Module, token_embeddings: torch.nn.Module, lm_head: torch.nn.Module | None
                  ) -> torch.dtype:
     """The first decoder parameter's dtype, not the head's: TRL's ``cast_lm_head_to_fp32`` makes the
     head (and a tied embedding) fp32 while the layers stay bf16."""
     for p in backbone.parameters():
         if p.is_floating_point() and p is not token_embeddings.weight:
             return p.dtype
-    return lm_head.weight.dtype
+    return (lm_head if lm_head is not None else token_embeddings).weight.dtype
 
 
 def _has_absolute_positions(backbone: torch.nn.Module, token_embeddings: torch.nn.Module) -> bool:

@@ -30,9 +30,9 @@ import torch
 
 from .._device import upload
 from ..attention.dispatch import install
-from ..engine import check_loss_terms, tree_forward
+from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
-from ..lm_head import score_predictions
+from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
 from .plan import WalkPlan, plan_walk
 from .stack import KVStack, UnitAttentionMetadata
@@ -121,8 +121,9 @@ class DepthFirstWalk:
         return tree_forward(self.parts, meta.input_ids, meta)
 
     def _score(self, u: int, hidden: torch.Tensor, with_entropy: bool, head_grad: bool = True):
-        return score_predictions(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy,
-                                 head_grad)
+        """``(logps, entropies, values)`` of the unit's rows (``lm_head.score_rows``)."""
+        return score_rows(hidden, self.parts, self.src[u], self.targets[u], self.temperature, with_entropy,
+                          head_grad)
 
     def _unit_loss(self, u: int, hidden: torch.Tensor, token_loss: Callable, head: _DeferredHead | None = None,
                    with_entropy: bool = False) -> torch.Tensor:
@@ -130,19 +131,20 @@ class DepthFirstWalk:
         every layer's attention (where descendants' K/V gradients enter) even with no terms.
         With ``head``, the LM head is a constant here and ``head`` records what its gradient needs.
         ``with_entropy``: ``token_loss`` also takes the entropies (differentiable)."""
-        logp, ent = self._score(u, hidden, with_entropy, head_grad=head is None)
+        logp, ent, values = self._score(u, hidden, with_entropy, head_grad=head is None)
         if head is not None:
             logp, ent = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp, ent)
-        # zero-valued, but connects every layer and the LM head like the untreed graph does
-        anchor = hidden.sum() * 0 + logp.sum() * 0
+        # zero-valued, but connects every layer and the heads like the untreed graph does
+        anchor = hidden.sum() * 0
+        for scored in (logp, values):
+            if scored is not None:
+                anchor = anchor + scored.sum() * 0
         if self.term_row[u].shape[0] == 0:
             return anchor.float() + self._router_term()
-        lp = logp.index_select(0, self.term_row[u])
-        if with_entropy:
-            out = token_loss(lp, self.term_seq[u], self.term_pos[u], ent.index_select(0, self.term_row[u]))
-        else:
-            out = token_loss(lp, self.term_seq[u], self.term_pos[u])
-        check_loss_terms(out, lp)
+        rows = self.term_row[u]
+        pick = [x.index_select(0, rows) if x is not None else None for x in (logp, ent, values)]
+        out = call_token_loss(token_loss, *pick, self.term_seq[u], self.term_pos[u], with_entropy,
+                              self.parts.scores_logps)
         return out.sum() + anchor + self._router_term()
 
     def _router_term(self) -> torch.Tensor | float:
@@ -152,21 +154,26 @@ class DepthFirstWalk:
 
     # ------------------------------------------------------------------ walks
     @torch.no_grad()
-    def logprobs(self, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-row log-probs (and entropies) from a forward-only walk (pops are no-ops)."""
+    def logprobs(self, with_entropy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Per-row ``(logps, entropies, values)`` from a forward-only walk (pops are no-ops); None
+        for what the call does not score."""
         P = self.scoring.num_predictions
-        logp = torch.zeros(P, dtype=torch.float32, device=self.device)
-        ent = torch.zeros(P, dtype=torch.float32, device=self.device) if with_entropy else None
+        parts = self.parts
+
+        def buffer(wanted: bool):
+            return torch.zeros(P, dtype=torch.float32, device=self.device) if wanted else None
+
+        out = (buffer(parts.scores_logps), buffer(parts.scores_logps and with_entropy),
+               buffer(parts.value_head is not None))
         for step in self.plan.steps:
             if step.op == "pop":
                 continue
             hidden = self._forward(step.unit)
             if self.rows[step.unit].shape[0]:
-                lp, en = self._score(step.unit, hidden, with_entropy)
-                logp[self.rows[step.unit]] = lp
-                if ent is not None:
-                    ent[self.rows[step.unit]] = en
-        return logp, ent
+                for target, scored in zip(out, self._score(step.unit, hidden, with_entropy)):
+                    if target is not None:
+                        target[self.rows[step.unit]] = scored
+        return out
 
     def backward(self, token_loss: Callable, keep_graph: bool, with_entropy: bool = False) -> float:
         """Forward, loss and backward of every unit in depth-first order, then the LM head's weight
@@ -201,6 +208,8 @@ class DepthFirstWalk:
 
     def _head_trains(self) -> bool:
         head = self.parts.lm_head
+        if head is None or not self.parts.scores_logps:
+            return False
         bias = getattr(head, "bias", None)
         return head.weight.requires_grad or (bias is not None and bias.requires_grad)
 

@@ -1,7 +1,9 @@
 """Drop-in TRL trainers on the tree engine: change one import and one config class."""
 
-from .config import TreeArguments, TreeGRPOConfig, TreeRLOOConfig
+from .config import TreeArguments, TreeGRPOConfig, TreePPOConfig, TreeRLOOConfig
 from .grpo import TreeGRPOTrainer
+from .ppo import TreePPOTrainer
 from .rloo import TreeRLOOTrainer
 
-__all__ = ["TreeArguments", "TreeGRPOConfig", "TreeGRPOTrainer", "TreeRLOOConfig", "TreeRLOOTrainer"]
+__all__ = ["TreeArguments", "TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer", "TreeRLOOConfig",
+           "TreeRLOOTrainer"]

@@ -27,35 +27,36 @@ import torch
 
 class _Bridge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, logps, entropies, aux, run_backward, has_entropies: bool, has_aux: bool):
-        ctx.run_backward, ctx.has_entropies, ctx.has_aux = run_backward, has_entropies, has_aux
-        ctx.logps_like = (logps.shape, logps.dtype, logps.device)
-        return logps.clone(), entropies.clone(), aux.clone()
+    def forward(ctx, anchor, run_backward, present: tuple[bool, ...], *tensors):
+        ctx.run_backward, ctx.present = run_backward, present
+        ctx.first_like = (tensors[0].shape, tensors[0].dtype, tensors[0].device)
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropies, grad_aux):
-        grad_entropies = grad_entropies if ctx.has_entropies else None
-        grad_aux = grad_aux if ctx.has_aux else None
-        if grad_logps is None and grad_entropies is None and grad_aux is None:
-            return (None,) * 7
-        if grad_logps is None:
-            shape, dtype, device = ctx.logps_like
-            grad_logps = torch.zeros(shape, dtype=dtype, device=device)
-        ctx.run_backward(grad_logps, grad_entropies, grad_aux)
-        return (None,) * 7
+    def backward(ctx, *grads):
+        grads = [g if here else None for g, here in zip(grads, ctx.present)]
+        if all(g is None for g in grads):
+            return (None,) * (3 + len(grads))
+        if grads[0] is None:
+            shape, dtype, device = ctx.first_like
+            grads[0] = torch.zeros(shape, dtype=dtype, device=device)
+        ctx.run_backward(*grads)
+        return (None,) * (3 + len(grads))
 
 
 def bridge(
     logps: torch.Tensor, entropies: torch.Tensor | None,
-    run_backward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], None],
+    run_backward: Callable[..., None],
     aux: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``logps`` (and ``entropies``, and the MoE load-balancing loss ``aux``) unchanged in value, but
-    a backward through them calls ``run_backward(dLoss/dlogps, dLoss/dentropies or None,
-    dLoss/daux or None)``."""
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``logps`` (and ``entropies``, the MoE load-balancing loss ``aux``, a shared critic's
+    ``values``) unchanged in value, but a backward through them calls ``run_backward(dLoss/dlogps,
+    dLoss/dentropies, dLoss/daux, dLoss/dvalues)`` — None for what is absent or got no gradient.
+    ``logps`` may be a critic's values (a value-only bridge)."""
     anchor = torch.zeros((), device=logps.device, requires_grad=True)
-    ent = entropies if entropies is not None else logps.new_zeros(0)
-    aux_in = aux if aux is not None else logps.new_zeros(0)
-    out_logps, out_ent, out_aux = _Bridge.apply(anchor, logps.detach(), ent.detach(), aux_in.detach(), run_backward,
-                                                entropies is not None, aux is not None)
-    return out_logps, (out_ent if entropies is not None else None), (out_aux if aux is not None else None)
+    given = (logps, entropies, aux, values)
+    present = tuple(t is not None for t in given)
+    inputs = [(t if t is not None else logps.new_zeros(0)).detach() for t in given]
+    outputs = _Bridge.apply(anchor, run_backward, present, *inputs)
+    return tuple(out if here else None for out, here in zip(outputs, present))

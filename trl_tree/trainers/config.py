@@ -147,6 +147,133 @@ class TreeRLOOConfig(RLOOConfig, TreeArguments):
         super().__post_init__()
 
 
+#: TRL 1.12 PPOConfig names -> the GRPOConfig fields they set (``num_mini_batches`` sets
+#: ``steps_per_generation = num_mini_batches * gradient_accumulation_steps``)
+PPO_ALIASES = {"cliprange": "epsilon", "num_ppo_epochs": "num_iterations", "response_length": "max_completion_length",
+               "num_mini_batches": "steps_per_generation"}
+
+
+@dataclass
+class TreePPOConfig(GRPOConfig, TreeArguments):
+    """``trl.GRPOConfig`` plus the tree fields and PPO's own: a learned critic, token-level rewards
+    with a KL penalty, GAE. TRL 1.12's PPOConfig names are accepted (``cliprange``, ``num_ppo_epochs``,
+    ``num_mini_batches``, ``response_length``) and set the GRPOConfig fields they correspond to
+    (docs/ppo.md). Defaults follow TRL 1.12's PPO: KL in the reward (``kl_coef``), none in the loss
+    (``beta=0``), a token-level loss averaged over each micro-batch (``loss_type="bnpo"``)."""
+
+    loss_type: str = field(
+        default="bnpo",
+        metadata={"help": "The policy loss's aggregation (GRPOConfig.loss_type); 'bnpo', a mean over the "
+                  "micro-batch's tokens, is TRL 1.12 PPO's."},
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "GRPO's KL-to-reference term in the loss; PPO puts its KL in the reward (kl_coef). "
+                  "Both may be used."},
+    )
+    critic: str = field(
+        default="separate",
+        metadata={"help": "The critic: 'separate' (a value model of its own, a token-classification head on a "
+                  "transformers backbone, from the policy's checkpoint unless value_model_path or the trainer's "
+                  "value_model says otherwise), 'shared' (a value head on the policy's trunk), 'adapter' (PEFT: a "
+                  "second adapter plus a value head on the policy's frozen base). See docs/ppo.md for their cost."},
+    )
+    value_model_path: str | None = field(
+        default=None,
+        metadata={"help": "critic='separate': checkpoint of the value model (loaded with "
+                  "AutoModelForTokenClassification, num_labels=1). None: the policy's checkpoint."},
+    )
+    kl_coef: float = field(default=0.05, metadata={"help": "Per-token KL penalty in the reward (TRL 1.12 PPO)."})
+    kl_estimator: str = field(
+        default="k1",
+        metadata={"help": "KL estimator of the reward penalty: 'k1' (log p - log p_ref) or 'k3' (non-negative, "
+                  "lower variance)."},
+    )
+    cliprange: float | None = field(
+        default=None, metadata={"help": "TRL 1.12 name of epsilon, the policy ratio's clip range."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value loss around old values."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=0.95, metadata={"help": "GAE's lambda for the policy's advantages."})
+    critic_lam: float | None = field(
+        default=None, metadata={"help": "GAE's lambda for the critic's returns; None: lam."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the token rewards (mean kept)."})
+    whiten_advantages: bool = field(
+        default=True, metadata={"help": "Whiten the advantages over the generation batch (TRL 1.12 PPO always did)."})
+    num_ppo_epochs: int | None = field(
+        default=None, metadata={"help": "TRL 1.12 name of num_iterations: passes over each rollout batch."})
+    num_mini_batches: int | None = field(
+        default=None,
+        metadata={"help": "TRL 1.12 name: optimizer steps per pass over a rollout batch; sets steps_per_generation "
+                  "= num_mini_batches * gradient_accumulation_steps."},
+    )
+    response_length: int | None = field(
+        default=None, metadata={"help": "TRL 1.12 name of max_completion_length."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of a completion without an EOS token."})
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "Optimizer steps at the start in which only the critic trains (the policy is not updated; "
+                  "with critic='shared' only the value head trains)."},
+    )
+    critic_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the critic's parameter group; None: learning_rate."})
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        self._check_ppo_fields()
+        self._apply_ppo_aliases()
+        one_generation = self.num_generations == 1
+        try:
+            super().__post_init__()
+        except ValueError as err:  # GRPO needs groups for its advantages; PPO's critic does not
+            if not (one_generation and "at least 2 generations" in str(err)):
+                raise
+
+    def _check_ppo_fields(self) -> None:
+        from .critic import CRITIC_KINDS
+        from .advantages import KL_ESTIMATORS
+
+        if self.critic not in CRITIC_KINDS:
+            raise ValueError(f"critic must be one of {CRITIC_KINDS}, got {self.critic!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        for name in ("gamma", "lam") + (("critic_lam",) if self.critic_lam is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        for name in ("vf_coef", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cliprange_value <= 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
+        if not isinstance(self.critic_warmup_steps, int) or self.critic_warmup_steps < 0:
+            raise ValueError(f"critic_warmup_steps must be a non-negative int, got {self.critic_warmup_steps!r}")
+        if self.num_generations is not None and self.num_generations < 1:
+            raise ValueError(f"num_generations must be at least 1, got {self.num_generations}")
+        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
+            raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}")
+
+    def _apply_ppo_aliases(self) -> None:
+        """Set the GRPOConfig fields from TRL 1.12's names; refuse the two names set to different values."""
+        defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+        for old, new in PPO_ALIASES.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if old == "num_mini_batches":
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"num_mini_batches must be a positive int, got {value!r}")
+                if self.generation_batch_size is not None:
+                    raise ValueError("set num_mini_batches or generation_batch_size, not both")
+                value = value * self.gradient_accumulation_steps
+            current = getattr(self, new)
+            if current != defaults[new] and current != value:
+                raise ValueError(f"{old}={getattr(self, old)!r} (TRL 1.12's name) and {new}={current!r} disagree; "
+                                 f"set one of them")
+            setattr(self, new, value)
+
+
 def as_tree_config(args, config_cls, model, suffix: str):
     """A tree config from ``args`` (None, TRL's config or already a tree config)."""
     if isinstance(args, config_cls):
@@ -158,8 +285,10 @@ def as_tree_config(args, config_cls, model, suffix: str):
     # add the tree fields' defaults rather than re-running the checks on derived values
     tree = config_cls.__new__(config_cls)
     tree.__dict__.update(args.__dict__)
-    for f in dataclasses.fields(config_cls):
-        if f.name.startswith("tree_") and f.name not in tree.__dict__:
-            setattr(tree, f.name, f.default)
+    for f in dataclasses.fields(config_cls):  # the tree's (and PPO's) own fields, at their defaults
+        if f.name not in tree.__dict__:
+            setattr(tree, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
     tree._check_tree_fields()
+    if isinstance(tree, TreePPOConfig):
+        tree._check_ppo_fields()
     return tree

@@ -196,21 +196,30 @@ class TreeTrainerMixin:
         call_kwargs = dict(rope_length=input_ids.shape[1], lm_head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32",
                                                                                      False)))
         router = self._router() if compute_aux_loss else None
+        value_head = self._joint_value_head() if differentiable else None
         with self.accelerator.autocast():
-            logps, entropies = self._score_calls(self.accelerator.unwrap_model(model) if by_hand else model, rows,
-                                                 calls, forests, compute_entropy, two_pass, router, call_kwargs)
+            logps, entropies, values = self._score_calls(
+                self.accelerator.unwrap_model(model) if by_hand else model, rows, calls, forests, compute_entropy,
+                two_pass, router, call_kwargs, value_head)
         aux_loss = router.loss() if router is not None else None
         if two_pass:
             target = self.accelerator.unwrap_model(model)
 
-            def second_pass(grad_logps, grad_entropies, grad_aux=None):
+            def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
                 self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, router, grad_aux,
-                                    call_kwargs)
+                                    call_kwargs, value_head, grad_values)
 
-            logps, entropies, aux_loss = bridge(logps, entropies, second_pass, aux_loss)
+            logps, entropies, aux_loss, values = bridge(logps, entropies, second_pass, aux_loss, values)
+        if value_head is not None:
+            self._tree_joint_values = values
         if differentiable:
             self._log_forests(forests)
         return logps, entropies, aux_loss
+
+    def _joint_value_head(self):
+        """A value head to read in the same forward as the policy's log-probs (a critic on the
+        policy's trunk, ``TreePPOTrainer``); the values land in ``_tree_joint_values``. None here."""
+        return None
 
     def _router(self):
         """A collector of the MoE load-balancing loss over the tree (``trl_tree.router``)."""
@@ -284,29 +293,42 @@ class TreeTrainerMixin:
             cuda_graphs=self._cuda_graphs(),
         )
 
-    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None):
-        lps, ents = [], []
+    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None,
+                     value_head=None):
+        """Padded ``(logps, entropies or None, values or None)`` of the rows, call by call."""
+        lps, ents, vals = [], [], []
         kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
+        if value_head is not None:
+            kwargs["cuda_graphs"] = False  # the graphs replay the LM head only
         with torch.no_grad() if no_graph else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
-                                    score_from=rows.subset(call)[1], router=router, **kwargs)
-                lp, ent = out if compute_entropy else (out, None)
-                lps.append(torch.cat(lp))
-                if ent is not None:
-                    ents.append(torch.cat(ent))
+                                    score_from=rows.subset(call)[1], router=router, value_head=value_head, **kwargs)
+                out = list(out) if isinstance(out, tuple) else [out]
+                lps.append(torch.cat(out.pop(0)))
+                if compute_entropy:
+                    ents.append(torch.cat(out.pop(0)))
+                if value_head is not None:
+                    vals.append(torch.cat(out.pop(0)))
         logps = rows.to_padded(lps, calls)
         entropies = rows.to_padded(ents, calls) if compute_entropy else None
-        return logps, entropies
+        values = rows.to_padded(vals, calls) if value_head is not None else None
+        return logps, entropies, values
 
     def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
                        grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
-                       call_kwargs: dict | None = None) -> None:
+                       call_kwargs: dict | None = None, value_head=None, grad_values: torch.Tensor | None = None
+                       ) -> None:
         """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp`` (and
         ``grad_entropies = dLoss/dentropy`` for an entropy bonus; ``grad_aux`` for the MoE
-        load-balancing loss collected in ``router``)."""
+        load-balancing loss collected in ``router``; ``grad_values = dLoss/dvalue`` for the values
+        of ``value_head`` read in the same forward)."""
         kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
         with_entropy = grad_entropies is not None
+        if value_head is not None:
+            kwargs["cuda_graphs"] = False
+            if grad_values is None:
+                grad_values = torch.zeros_like(grad)
         if router is not None:
             if grad_aux is None:
                 router = None  # the loss does not depend on it
@@ -319,17 +341,20 @@ class TreeTrainerMixin:
                 where = rows.positions([call])
                 weights = grad[where].float()  # flat, in the call's (row, token) order
                 ent_weights = grad_entropies[where].float() if with_entropy else None
+                value_weights = grad_values[where].float() if value_head is not None else None
                 offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
                 first = torch.tensor([f - 1 for f in score_from], device=grad.device)
 
-                def token_loss(lp, seq_idx, pos, ent=None, weights=weights, ent_weights=ent_weights, offsets=offsets,
-                               first=first):
+                def token_loss(lp, seq_idx, pos, ent=None, values=None, weights=weights, ent_weights=ent_weights,
+                               value_weights=value_weights, offsets=offsets, first=first):
                     index = offsets[seq_idx] + pos - first[seq_idx]
                     terms = lp * weights[index]
-                    return terms if ent is None else terms + ent * ent_weights[index]
+                    if ent is not None:
+                        terms = terms + ent * ent_weights[index]
+                    return terms if values is None else terms + values * value_weights[index]
 
                 tree_backward(model, forest, token_loss, score_from=score_from, keep_graph=self.args.tree_keep_graph,
-                              with_entropy=with_entropy, router=router, **kwargs)
+                              with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         self._sync_gradients(model)
 
     def _sync_gradients(self, model) -> None:
