@@ -1,5 +1,9 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
+``ppo`` as third argument: TreePPOTrainer instead — a separate critic (off, packed, dfs) and a
+critic adapter under LoRA (off, packed); the test checks that the ranks agree on policy and
+critic and that the tree equals the untreed run (the critic's gradients are averaged by hand).
+
 Trains the tiny policy a few steps with gradient accumulation in packed mode, in dfs mode (whose
 backward runs inside the engine and synchronises gradients by hand) and in packed mode with
 ``tree_cuda_graphs`` (the call runs outside DDP, replays the CPU stand-in of a graph from each
@@ -17,7 +21,7 @@ from datasets import Dataset
 sys.path.insert(0, os.path.dirname(__file__))
 from trainer_harness import PROMPTS, reward_a  # noqa: E402
 
-from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, graphs  # noqa: E402
+from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, graphs  # noqa: E402
 
 
 def main(checkpoint: str, out_dir: str) -> None:
@@ -47,5 +51,31 @@ def main(checkpoint: str, out_dir: str) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{rank}.pt"))
 
 
+def main_ppo(checkpoint: str, out_dir: str) -> None:
+    from peft import LoraConfig
+    from transformers import PreTrainedTokenizerFast
+
+    for run in ("separate-off", "separate-packed", "separate-dfs", "adapter-off", "adapter-packed"):
+        kind, mode = run.split("-")
+        args = TreePPOConfig(
+            output_dir=os.path.join(out_dir, run), tree_mode=mode, critic=kind, kl_coef=0.1, num_iterations=2,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=0.05,
+            optim="sgd", max_steps=2, gradient_accumulation_steps=2, tree_shuffle="rows", use_cpu=True, bf16=False,
+            report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+            model_init_kwargs={"dtype": torch.float64},
+        )
+        lora = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])} if kind == "adapter" \
+            else {}
+        torch.manual_seed(0)
+        trainer = TreePPOTrainer(model=checkpoint, reward_funcs=reward_a, args=args,
+                                 train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                 processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint), **lora)
+        trainer.train()
+        assert trainer.accelerator.num_processes == 2, "expected two processes"
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
+        torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (main_ppo if sys.argv[3:] == ["ppo"] else main)(sys.argv[1], sys.argv[2])

@@ -13,14 +13,18 @@ from trainer_harness import save_tiny_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_two_processes_agree_and_dfs_and_graphs_equal_packed(tmp_path):
+def _launch(tmp_path, *extra) -> None:
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"), os.path.join(ROOT, "tests/ddp_check.py"),
-           checkpoint, str(tmp_path)]
+           checkpoint, str(tmp_path), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_two_processes_agree_and_dfs_and_graphs_equal_packed(tmp_path):
+    _launch(tmp_path)
     runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("packed", "dfs", "graphs") for r in (0, 1)}
     for rank in (0, 1):
         assert int(runs[("graphs", rank)].pop("captures")) > 0, "the graphed run captured nothing"
@@ -31,3 +35,21 @@ def test_two_processes_agree_and_dfs_and_graphs_equal_packed(tmp_path):
         for name, p in runs[("packed", 0)].items():
             q = runs[(mode, 0)][name]
             assert torch.allclose(p, q, rtol=0, atol=1e-9), f"{mode} differs from packed on {name}"
+
+
+def test_ppo_two_processes_agree_and_the_tree_equals_untreed(tmp_path):
+    """Policy and critic: ranks agree (the critic's gradients averaged by hand, a critic adapter kept
+    out of DDP's buckets) and the tree's update is the untreed one (float64)."""
+    _launch(tmp_path, "ppo")
+    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("separate-off", "separate-packed",
+                                                                      "separate-dfs", "adapter-off", "adapter-packed")
+            for r in (0, 1)}
+    for (run, rank), params in runs.items():
+        if rank == 1:
+            for name, p in params.items():
+                assert torch.equal(p, runs[(run, 0)][name]), f"{run}: ranks disagree on {name}"
+    for kind, modes in (("separate", ("packed", "dfs")), ("adapter", ("packed",))):
+        ref = runs[(f"{kind}-off", 0)]
+        for mode in modes:
+            for name, p in runs[(f"{kind}-{mode}", 0)].items():
+                assert torch.allclose(p, ref[name], rtol=1e-9, atol=1e-9), f"{kind}-{mode} differs from off on {name}"

@@ -21,8 +21,18 @@ def test_demo_trains_with_the_tree_and_times_stock_grpo(capsys):
     assert "stock GRPO" in out and "tree GRPO" in out and "T/U" in out
 
 
+def test_demo_runs_ppo(capsys):
+    from trl_tree.demo import main
+
+    assert main(["--algo", "ppo", "--steps", "1", "--stock-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "untreed PPO" in out and "tree PPO" in out and "policy+critic" in out
+
+
 @pytest.mark.parametrize("script,argv", [("grpo_tree.py", ["--steps", "1", "--mode", "dfs", "--token-budget", "900"]),
-                                         ("grpo_tree_lora.py", ["--steps", "1"])])
+                                         ("grpo_tree_lora.py", ["--steps", "1"]),
+                                         ("ppo_tree.py", ["--steps", "1", "--critic", "shared", "--mode", "dfs"]),
+                                         ("ppo_tree_lora.py", ["--steps", "1"])])
 def test_grpo_examples_run(script, argv, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [script, *argv])
     runpy.run_path(f"examples/{script}", run_name="__main__")

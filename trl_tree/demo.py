@@ -1,6 +1,7 @@
 """The main job on an embedded default: a short tree GRPO run on CPU, against stock GRPO.
 
     python -m trl_tree            # or: trl-tree-demo
+    python -m trl_tree --algo ppo # the same with TreePPOTrainer (a critic of its own), against its untreed step
 
 Builds a tiny Qwen2-shaped policy in code (saved to a temporary directory; nothing downloaded),
 trains it with ``TreeGRPOTrainer`` on a toy task whose reward (the share of the letter 'a' in the
@@ -19,8 +20,9 @@ import tempfile
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations: int = 8, seed: int = 0):
-    """One GRPO run on the toy task; returns the Trainer's per-step logs."""
+def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations: int = 8, seed: int = 0,
+          algo: str = "grpo"):
+    """One GRPO (or PPO) run on the toy task; returns the Trainer's per-step logs."""
     import torch
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
@@ -28,17 +30,19 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     from transformers.utils import logging as hf_logging
 
     from .toy import reward_letter_a, toy_prompts
-    from .trainers import TreeGRPOConfig, TreeGRPOTrainer
+    from .trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    args = TreeGRPOConfig(
+    config_cls, trainer_cls = (TreePPOConfig, TreePPOTrainer) if algo == "ppo" else (TreeGRPOConfig, TreeGRPOTrainer)
+    ppo = dict(critic="separate", kl_coef=0.01, vf_coef=0.5) if algo == "ppo" else {}
+    args = config_cls(
         output_dir=out_dir, tree_mode=mode, max_steps=steps, per_device_train_batch_size=2 * num_generations,
         num_generations=num_generations, max_completion_length=24, learning_rate=3e-3, beta=0.0,
         bf16=False, use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, seed=seed,
+        disable_tqdm=True, seed=seed, **ppo,
     )
-    trainer = TreeGRPOTrainer(
+    trainer = trainer_cls(
         model=checkpoint, reward_funcs=reward_letter_a, args=args,
         train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
         processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint),
@@ -49,7 +53,10 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tree GRPO vs stock GRPO on a tiny built-in model (CPU)")
+    parser = argparse.ArgumentParser(description="tree GRPO (or PPO) vs the untreed step on a tiny built-in model (CPU)")
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo"),
+                        help="grpo: TreeGRPOTrainer against trl.GRPOTrainer; ppo: TreePPOTrainer (policy and a "
+                        "separate critic over the tree) against its tree_mode='off' step")
     parser.add_argument("--steps", type=int, default=12, help="tree GRPO steps")
     parser.add_argument("--stock-steps", type=int, default=4, help="stock GRPO steps, for the timing")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs"))
@@ -63,13 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_tiny_policy(os.path.join(tmp, "policy"))
-        print(f"trl_tree demo: GRPO on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}\n")
-        print(" step  reward   T/U   policy fwd+bwd")
-        tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"))
+        name = args.algo.upper()
+        what = "policy" if args.algo == "grpo" else "policy+critic"
+        stock = "stock GRPO (tree_mode='off', i.e. trl.GRPOTrainer)" if args.algo == "grpo" else \
+            "untreed PPO (tree_mode='off': the same trainer on the padded batch)"
+        print(f"trl_tree demo: {name} on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}\n")
+        print(f" step  reward   T/U   {what} fwd+bwd")
+        tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"), algo=args.algo)
         for i, h in enumerate(tree_logs, 1):
             print(f"{i:5d}  {h['reward']:6.3f}  {h['tree/dedup_ratio']:5.2f}  {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
-        print(f"\nstock GRPO (tree_mode='off', i.e. trl.GRPOTrainer), {args.stock_steps} steps for the timing:")
-        stock_logs = train("off", args.stock_steps, checkpoint, os.path.join(tmp, "stock"))
+        print(f"\n{stock}, {args.stock_steps} steps for the timing:")
+        stock_logs = train("off", args.stock_steps, checkpoint, os.path.join(tmp, "stock"), algo=args.algo)
         for i, h in enumerate(stock_logs, 1):
             print(f"{i:5d}  {h['reward']:6.3f}     -   {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
 
@@ -80,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     t_tree, t_stock = per_step(tree_logs), per_step(stock_logs)
     print(
         f"\nreward {tree_logs[0]['reward']:.3f} -> {tree_logs[-1]['reward']:.3f} over {len(tree_logs)} steps; "
-        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; policy forward+backward per step: "
-        f"stock GRPO {t_stock * 1e3:.0f} ms, tree GRPO {t_tree * 1e3:.0f} ms -> {t_stock / t_tree:.2f}x"
+        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; {what} forward+backward per step: "
+        f"{'stock' if args.algo == 'grpo' else 'untreed'} {name} {t_stock * 1e3:.0f} ms, tree {name} "
+        f"{t_tree * 1e3:.0f} ms -> {t_stock / t_tree:.2f}x"
     )
     return 0
 

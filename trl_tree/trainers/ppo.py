@@ -77,7 +77,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         args = self.args
         policy = self.accelerator.unwrap_model(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else policy.config.get_text_config().vocab_size
+        vocab = policy.get_input_embeddings().num_embeddings  # the ids the policy reads (and generates)
+        if hasattr(tokenizer, "__len__"):
+            vocab = min(vocab, len(tokenizer))
         self.critic = Critic.build(args.critic, policy, value_model if value_model is not None else
                                    args.value_model_path, args.model_init_kwargs or {}, vocab)
         critic_model = self.critic.model
@@ -95,6 +97,10 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 from ..compile import compile_layers
 
                 compile_layers(critic_model)
+        if self.accelerator.num_processes > 1:  # one critic on every rank (heads drew from per-rank seeds)
+            with torch.no_grad():
+                for p in self.critic.parameters():
+                    torch.distributed.broadcast(p.data, src=0)
         if self.critic.kind == "adapter" and self.accelerator.num_processes > 1:
             # the critic adapter is not used by the policy's DDP forward: DDP must not wait for its gradients
             from torch.nn.parallel import DistributedDataParallel
@@ -105,7 +111,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(f"TreePPOTrainer: the critic is trained beside the policy with gradients averaged by hand "
                              f"(DDP); {self.accelerator.distributed_type.value} is not supported yet")
-        self._critic_grads_pending = False
 
     def create_optimizer(self, model=None):
         """TRL's optimizer for the policy, plus one parameter group for the critic (its own learning
@@ -251,7 +256,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 with torch.enable_grad(), self.critic.active(policy):  # the recompute runs the critic adapter
                     again = self._padded_values(model, head, input_ids, attention_mask, logits_to_keep, None)
                     torch.autograd.backward(again, grad.to(again.dtype))
-                self._critic_grads_pending = True
 
             return bridge(values, None, padded_backward)[0]
 
@@ -266,8 +270,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             for call, forest in zip(calls, forests):
                 parts.append(torch.cat(tree_values(model, forest, head, score_from=rows.subset(call)[1], **kwargs)))
         values = rows.to_padded(parts, calls)
-        if differentiable:
-            self._critic_grads_pending = True
         if not two_pass:
             return values
 
@@ -396,11 +398,11 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         if self.critic.model is not None:
             self.critic.model.train(self.model.training)
-        self._critic_grads_pending = False
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self._critic_grads_pending and self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
-            average_gradients(self.critic.parameters(), self.accelerator.num_processes)  # never under DDP
-        self._critic_grads_pending = False
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            # the critic is never under DDP: its gradients, accumulated over the window, averaged once
+            critic = [p for p in self.critic.parameters() if p.grad is not None]
+            average_gradients(critic, self.accelerator.num_processes)
         return loss
 
     def _clip_grad_norm(self, model):
