@@ -1,12 +1,20 @@
-"""TreeGRPOTrainer against stock GRPO inside the real Trainer loop (GPU, bf16).
+"""TreeGRPOTrainer against stock GRPO inside the real Trainer loop (GPU, bf16); TreePPOTrainer likewise.
 
     python -m trl_tree.bench.trainer [--size 1.5b] [--group 16] [--prompt 2048] [--completion 512]
+    python -m trl_tree.bench.trainer --algo ppo --critic separate [--workload W4] [--lora]
 
 Generation is replaced by a ``rollout_func`` returning random rollouts of the given shape (a group
 per step, no sampling cost), so what is timed is TRL's training step: the policy forward, TRL's
 loss and the backward, through ``TreeGRPOTrainer`` in ``tree_mode`` off (= ``trl.GRPOTrainer``),
 packed and dfs. Reports the median ``tree/fwd_bwd_time`` (training step minus generation) over
 the steps after the first, and the speed-up over stock.
+
+``--algo ppo``: ``TreePPOTrainer`` with a critic (``--critic`` separate, shared or adapter — the
+adapter needs ``--lora``) on the same rollouts; what is timed is the policy+critic step (the
+rollout's no-grad passes — old values, GAE — are part of generation, as GRPO's old log-probs are),
+and "stock" is the same trainer with ``tree_mode="off"``. ``--workload W4``: the suite's agentic
+tree (a 4.8k system prompt, 12 trajectories branching at tool calls) as rollouts of one prompt;
+``--lora``: a rank-16 LoRA on every linear layer of the policy.
 
 Several GPUs (DDP): ``accelerate launch --config_file examples/accelerate/multi_gpu.yaml -m
 trl_tree.bench.trainer ...`` — each process trains on its own GPU; rank 0 reports, and each mode
@@ -48,24 +56,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo"))
+    parser.add_argument("--critic", default="separate", choices=("separate", "shared", "adapter"))
+    parser.add_argument("--workload", default="group", choices=("group", "W4"),
+                        help="group: --group completions of one --prompt; W4: the suite's agentic tree")
+    parser.add_argument("--lora", action="store_true", help="train a rank-16 LoRA on all linear layers")
     parser.add_argument("--out", default=None)
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
+    if args.algo == "ppo" and args.critic == "adapter" and not args.lora:
+        parser.error("--critic adapter trains a second LoRA adapter: add --lora")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from ..tiny import shaped_config
-    from ..trainers import TreeGRPOConfig, TreeGRPOTrainer
+    from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
+    from .workloads import agentic_tree
 
     config = shaped_config(args.size)
     tok = _tokenizer(config.vocab_size)
     rng = np.random.default_rng(0)
+    if args.workload == "W4":
+        trajectories = agentic_tree(config.vocab_size)
+        system = 4800
+        args.group, args.prompt = len(trajectories), system
+        args.completion = max(len(t) for t in trajectories) - system
 
     def rollout(prompts, trainer):
-        """One random prompt per distinct prompt string, random completions (no generation)."""
+        """One random prompt per distinct prompt string, random completions (no generation); W4: the
+        agentic tree's trajectories, the system prompt as prompt, each group's i-th row the i-th leaf."""
         cache: dict[str, list[int]] = {}
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        if args.workload == "W4":
+            for i, _ in enumerate(prompts):
+                path = trajectories[i % len(trajectories)]
+                out["prompt_ids"].append(path[:system])
+                out["completion_ids"].append(path[system:])
+                out["logprobs"].append([0.0] * (len(path) - system))
+            return out
         for p in prompts:
             ids = cache.setdefault(p, rng.integers(2, config.vocab_size, args.prompt).tolist())
             out["prompt_ids"].append(ids)
@@ -84,17 +113,25 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-        cfg = TreeGRPOConfig(
-            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0],
+        config_cls, trainer_cls = (TreePPOConfig, TreePPOTrainer) if args.algo == "ppo" else \
+            (TreeGRPOConfig, TreeGRPOTrainer)
+        ppo = dict(critic=args.critic, kl_coef=0.0) if args.algo == "ppo" else {}
+        extra = {}
+        if args.lora:
+            from peft import LoraConfig
+
+            extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+        cfg = config_cls(
+            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0], **ppo,
             tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps,
             per_device_train_batch_size=args.group,
             num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
-        trainer = TreeGRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
-                                  train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
-                                  rollout_func=rollout)
+        trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
+                              rollout_func=rollout, **extra)
         torch.cuda.reset_peak_memory_stats()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "tree/fwd_bwd_time" in h]
@@ -118,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)",
+        "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)"
+                 f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
+        "algo": args.algo, **({"critic": args.critic} if args.algo == "ppo" else {}), "shape": args.workload,
         "group": args.group, "prompt": args.prompt, "completion": args.completion,
         "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
         "results": results})

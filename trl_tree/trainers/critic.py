@@ -165,9 +165,11 @@ def _load_value_model(value_model, policy: torch.nn.Module, model_init_kwargs: d
         return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
     # built in memory: the same architecture, the policy's backbone weights, a fresh head
     config = pretrained.config.__class__.from_dict({**pretrained.config.to_dict(), "num_labels": 1})
-    model = AutoModelForTokenClassification.from_config(config, attn_implementation=kwargs["attn_implementation"])
+    with torch.device(next(pretrained.parameters()).device):  # a large random init on the CPU takes minutes
+        model = AutoModelForTokenClassification.from_config(config, attn_implementation=kwargs["attn_implementation"],
+                                                            dtype=kwargs["dtype"])
     model.base_model.load_state_dict(pretrained.base_model.state_dict())
-    return model.to(kwargs["dtype"])
+    return model
 
 
 def _check_value_model(model: PreTrainedModel, vocab_size: int) -> None:
