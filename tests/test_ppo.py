@@ -178,7 +178,7 @@ def test_whitening_and_token_rewards_are_the_textbook_ones():
 
 
 def test_clipped_value_loss_is_the_textbook_one():
-    _, values, mask = _fixed(2)
+    _, values, _ = _fixed(2)
     old = values + 0.3 * torch.sin(values * 7)
     returns = values.flip(1)
     got, clipped = adv.clipped_value_loss(values, old, returns, 0.1)
@@ -220,7 +220,7 @@ def test_one_real_update_is_the_textbook_loss(checkpoint):
         [[t for t, m in zip(ids, mk) if m] for ids, mk in zip(completion_ids.tolist(), completion_mask.tolist())],
         skip_special_tokens=True)
     scores = reward_a(completions)
-    old, ref = inputs["old_per_token_logps"], None
+    old = inputs["old_per_token_logps"]
     pg, vf, counted = 0.0, 0.0, 0
     rewards = torch.zeros(B, T, dtype=torch.float64)
     values = torch.zeros(B, T, dtype=torch.float64)
