@@ -1,8 +1,8 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
-``ppo`` as third argument: TreePPOTrainer instead — a separate critic (off, packed, dfs) and a
-critic adapter under LoRA (off, packed); the test checks that the ranks agree on policy and
-critic and that the tree equals the untreed run (the critic's gradients are averaged by hand).
+Then TreePPOTrainer: a separate critic (off, packed, dfs) and a critic adapter under LoRA (off,
+packed); the test checks that the ranks agree on policy and critic and that the tree equals the
+untreed run (the critic's gradients are averaged by hand).
 
 Trains the tiny policy a few steps with gradient accumulation in packed mode, in dfs mode (whose
 backward runs inside the engine and synchronises gradients by hand) and in packed mode with
@@ -77,5 +77,6 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
-if __name__ == "__main__":
-    (main_ppo if sys.argv[3:] == ["ppo"] else main)(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # one launch for both (each launch costs two interpreter start-ups and imports)
+    main(sys.argv[1], sys.argv[2])
+    main_ppo(sys.argv[1], sys.argv[2])

@@ -29,7 +29,8 @@ from trl_tree import TreePPOConfig, TreePPOTrainer  # noqa: E402
 from trl_tree.trainers import advantages as adv  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-PPO = dict(kl_coef=0.1, num_mini_batches=1, tree_shuffle="rows", beta=0.0)  # the harness: 2 epochs (num_iterations)
+# with the harness's gradient accumulation (2) and num_iterations (2 PPO epochs): 2 optimizer steps per epoch
+PPO = dict(kl_coef=0.1, num_mini_batches=2, tree_shuffle="rows", beta=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,7 @@ def _record_critic_start(monkeypatch):
 def test_update_matches_untreed(checkpoint, kind, mode):
     trainer = _compare(checkpoint, mode, kind)
     assert trainer.args.gradient_checkpointing and trainer.args.num_iterations == 2
+    assert trainer.args.steps_per_generation == 4 and trainer.args.gradient_accumulation_steps == 2
     logs = trainer.state.log_history[0]
     for key in ("objective/kl", "objective/rlhf_reward", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
                 "policy/approxkl_avg", "val/explained_variance", "tree/dedup_ratio"):
@@ -104,10 +106,15 @@ def test_adapter_critic_matches_untreed(checkpoint, mode):
     assert set(model.peft_config) == {"default", "critic"} and trainer.ref_model is None
 
 
-def test_mini_batches_and_token_budget(checkpoint):
-    """num_mini_batches=2 (two optimizer steps per pass), k3, and a token budget cutting the calls."""
-    _compare(checkpoint, "packed", "separate", num_mini_batches=2, gradient_accumulation_steps=1,
-             kl_estimator="k3", tree_token_budget=40)
+def test_one_micro_batch_per_step_k3_and_token_budget(checkpoint):
+    """No accumulation, k3, and a token budget cutting the calls (the critic's too)."""
+    _compare(checkpoint, "packed", "separate", gradient_accumulation_steps=1, kl_estimator="k3",
+             tree_token_budget=40)
+
+
+def test_shared_critic_on_a_lora_policy(checkpoint):
+    """A value head on the trunk of a PEFT policy: the value loss trains the policy adapter too."""
+    _compare(checkpoint, "packed", "shared", lora=True, learning_rate=0.5)
 
 
 def test_shared_critic_without_checkpointing_and_with_warmup(checkpoint):
@@ -206,7 +213,8 @@ def test_one_real_update_is_the_textbook_loss(checkpoint):
 
     TreePPOTrainer._compute_loss = spy
     try:
-        _train(checkpoint, "off", "separate", max_steps=1, gradient_accumulation_steps=1, num_iterations=1)
+        _train(checkpoint, "off", "separate", max_steps=1, gradient_accumulation_steps=1, num_iterations=1,
+               num_mini_batches=1)
     finally:
         TreePPOTrainer._compute_loss = original
     trainer, inputs = captured["trainer"], captured["inputs"]

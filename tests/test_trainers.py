@@ -22,7 +22,7 @@ from trl_tree.trainers.grouping import plan_micro_batches, prompt_groups, split_
 from trl_tree.trainers.rows import PaddedRows  # noqa: E402
 
 from conftest import assert_grads_close  # noqa: E402
-from trainer_harness import run, save_tiny_checkpoint  # noqa: E402
+from trainer_harness import PROMPTS, reward_a, run, save_tiny_checkpoint  # noqa: E402
 
 KINDS = {
     "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),
@@ -246,9 +246,17 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
         for model in (trainer.model, trainer.ref_model):
             children = [c for layer in tree_compile.decoder_layers(model) for c in layer.children()]
             assert children and all(c._compiled_call_impl is not None for c in children)
-        # tree_mode="off" compiles too: TRL's own step on the same layers, for like-for-like timings
-        _, _, off = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="off", tree_compile_layers=True,
-                        max_steps=1, gradient_accumulation_steps=1)
+        # tree_mode="off" compiles too (at construction): TRL's own step on the same layers, for like-for-like
+        # timings (its update is the reference's above; training it again would only compile again)
+        from datasets import Dataset
+        from transformers import PreTrainedTokenizerFast
+
+        off = TreeGRPOTrainer(model=checkpoint, reward_funcs=reward_a,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                              args=TreeGRPOConfig(output_dir=f"{checkpoint}/off", tree_mode="off",
+                                                  tree_compile_layers=True, use_cpu=True, bf16=False, report_to="none",
+                                                  per_device_train_batch_size=8, num_generations=4),
+                              processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
         assert all(c._compiled_call_impl is not None for layer in tree_compile.decoder_layers(off.model)
                    for c in layer.children())
     finally:
