@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from trainer_harness import PROMPTS, reward_a, run, save_tiny_checkpoint  # noqa: E402
+from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tiny_checkpoint  # noqa: E402
 
 from trl_tree import TreePPOConfig, TreePPOTrainer  # noqa: E402
 from trl_tree.trainers import advantages as adv  # noqa: E402
@@ -38,10 +38,12 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ppo"))
 
 
-def _train(checkpoint, mode, kind, lora=False, **overrides):
+def _train(checkpoint, mode, kind, lora=False, rollout_func=None, **overrides):
     from peft import LoraConfig
 
     kwargs = {"peft_config": LoraConfig(**LORA)} if lora else {}
+    if rollout_func is not None:
+        kwargs["rollout_func"] = rollout_func
     settings = {**PPO, **overrides}
     updates, completions, trainer = run(TreePPOTrainer, TreePPOConfig, checkpoint, tree_mode=mode, critic=kind,
                                         dtype=torch.float64, trainer_kwargs=kwargs, **settings)
@@ -52,12 +54,12 @@ def _train(checkpoint, mode, kind, lora=False, **overrides):
 _OFF: dict = {}
 
 
-def _compare(checkpoint, mode, kind, lora=False, **overrides):
-    key = (kind, lora, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+def _compare(checkpoint, mode, kind, lora=False, rollout_func=None, **overrides):
+    key = (kind, lora, rollout_func, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
     if key not in _OFF:
-        _OFF[key] = _train(checkpoint, "off", kind, lora, **overrides)
+        _OFF[key] = _train(checkpoint, "off", kind, lora, rollout_func, **overrides)
     ref_updates, ref_critic, ref_completions, ref_trainer = _OFF[key]
-    updates, critic, completions, trainer = _train(checkpoint, mode, kind, lora, **overrides)
+    updates, critic, completions, trainer = _train(checkpoint, mode, kind, lora, rollout_func, **overrides)
     assert completions == ref_completions, "the rollouts differ: the comparison would be meaningless"
     for name, ref in ref_updates.items():
         if ".critic." in name:
@@ -117,10 +119,23 @@ def test_shared_critic_on_a_lora_policy(checkpoint):
     _compare(checkpoint, "packed", "shared", lora=True, learning_rate=0.5)
 
 
-def test_shared_critic_without_checkpointing_and_with_warmup(checkpoint):
-    trainer = _compare(checkpoint, "packed", "shared", gradient_checkpointing=False, critic_warmup_steps=1)
+def test_multi_turn_tool_tokens_are_no_steps(checkpoint):
+    """rollout_func with a tool mask: tool output gets no advantage and no return (GAE skips it), and
+    trajectories sharing turns still train exactly (dfs: the walk, the critic's too)."""
+    trainer = _compare(checkpoint, "dfs", "separate", rollout_func=multi_turn_rollout, max_completion_length=64)
+    assert trainer.state.log_history[0]["tree/dedup_ratio"] > 2
+    for batch in trainer._buffered_inputs:
+        tool = (batch["tool_mask"] == 0) & (batch["completion_mask"] == 1)
+        assert tool.any()
+        assert (batch["advantages"][tool] == 0).all() and (batch["returns"][tool] == 0).all()
+        assert (batch["advantages"][~tool & (batch["completion_mask"] == 1)] != 0).any()
+
+
+def test_shared_critic_without_checkpointing_with_warmup_and_kl_in_the_loss(checkpoint):
+    """GRPO's beta (KL to the reference in the loss) beside PPO's kl_coef (in the reward)."""
+    trainer = _compare(checkpoint, "packed", "shared", gradient_checkpointing=False, critic_warmup_steps=1, beta=0.04)
     assert "loss/policy_avg" not in trainer.state.log_history[0]  # step 1: the critic alone
-    assert "loss/policy_avg" in trainer.state.log_history[1]
+    assert "loss/policy_avg" in trainer.state.log_history[1] and "kl" in trainer.state.log_history[1]
 
 
 # ---------------------------------------------------------------------- (b) the textbook

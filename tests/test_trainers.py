@@ -22,7 +22,7 @@ from trl_tree.trainers.grouping import plan_micro_batches, prompt_groups, split_
 from trl_tree.trainers.rows import PaddedRows  # noqa: E402
 
 from conftest import assert_grads_close  # noqa: E402
-from trainer_harness import PROMPTS, reward_a, run, save_tiny_checkpoint  # noqa: E402
+from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tiny_checkpoint  # noqa: E402
 
 KINDS = {
     "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),
@@ -134,26 +134,10 @@ def test_metrics_logged(checkpoint):
     assert logs["tree/dedup_ratio"] == pytest.approx(logs["tree/total_tokens"] / logs["tree/unique_tokens"])
 
 
-def _multi_turn_rollout(prompts, trainer):
-    """Two turns with a tool result between them: pairs of a group share turn 1 and the tool output."""
-    tok = trainer.processing_class
-    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
-    for i, prompt in enumerate(prompts):
-        pair, member = (i % 4) // 2, i % 2
-        turn1 = tok(f"call tool {pair}")["input_ids"]
-        tool = tok(f" result {pair * 7}")["input_ids"]
-        turn2 = tok(f" answer {'a' * (1 + member + pair)}")["input_ids"] + [tok.eos_token_id]
-        out["prompt_ids"].append(tok(prompt)["input_ids"])
-        out["completion_ids"].append(turn1 + tool + turn2)
-        out["logprobs"].append([0.0] * len(turn1 + tool + turn2))
-        out["env_mask"].append([1] * len(turn1) + [0] * len(tool) + [1] * len(turn2))
-    return out
-
-
 @pytest.mark.parametrize("mode", ["packed", "dfs"])
 def test_multi_turn_rollouts_share_turns(checkpoint, mode):
     """``rollout_func`` with a tool mask: trajectories sharing turns share nodes, and train exactly."""
-    settings = dict(trainer_kwargs={"rollout_func": _multi_turn_rollout}, max_completion_length=64)
+    settings = dict(trainer_kwargs={"rollout_func": multi_turn_rollout}, max_completion_length=64)
     trainer = compare("grpo", checkpoint, mode, **settings)
     logs = trainer.state.log_history[0]
     # groups of 4 sharing a prompt only would give T/U < 4 / (1 + 3 * completion/prompt share)
@@ -163,7 +147,7 @@ def test_multi_turn_rollouts_share_turns(checkpoint, mode):
 
 def _prompt_only_ratio(trainer) -> float:
     """T/U if a group shared its prompt and nothing else (for the multi-turn test)."""
-    rollout = _multi_turn_rollout(["count the a letters in banana 0"] * 4, trainer)
+    rollout = multi_turn_rollout(["count the a letters in banana 0"] * 4, trainer)
     p = len(rollout["prompt_ids"][0])
     comps = [len(c) for c in rollout["completion_ids"]]
     total = sum(p + c for c in comps)

@@ -77,3 +77,19 @@ def run(trainer_cls, config_cls, checkpoint: str, *, dataset=None, trainer_kwarg
     trainer.train()
     updates = {n: p.detach() - start[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
     return updates, list(trainer._logs["completion"]), trainer
+
+
+def multi_turn_rollout(prompts, trainer):
+    """Two turns with a tool result between them: pairs of a group share turn 1 and the tool output."""
+    tok = trainer.processing_class
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for i, prompt in enumerate(prompts):
+        pair, member = (i % 4) // 2, i % 2
+        turn1 = tok(f"call tool {pair}")["input_ids"]
+        tool = tok(f" result {pair * 7}")["input_ids"]
+        turn2 = tok(f" answer {'a' * (1 + member + pair)}")["input_ids"] + [tok.eos_token_id]
+        out["prompt_ids"].append(tok(prompt)["input_ids"])
+        out["completion_ids"].append(turn1 + tool + turn2)
+        out["logprobs"].append([0.0] * len(turn1 + tool + turn2))
+        out["env_mask"].append([1] * len(turn1) + [0] * len(tool) + [1] * len(turn2))
+    return out
