@@ -48,9 +48,22 @@ def test_example_runs(argv, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("module", ["check_gpu", "packed", "dfs", "report", "suite", "trainer", "overhead", "trie_packer",
-                                    "compiled", "graphs"])
+                                    "compiled", "graphs", "ranks"])
 def test_bench_modules_import(module):
     importlib.import_module(f"trl_tree.bench.{module}")
+
+
+def test_rank_balance_simulation_runs_on_the_cpu(tmp_path):
+    import json
+
+    from trl_tree.bench.ranks import main
+
+    assert main(["--size", "0.5b", "--ranks", "2", "--groups-per-rank", "2", "--out", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert {r["shape"] for r in rows} == {"W1", "W2", "W3", "W4"}
+    for r in rows:
+        assert 1.0 <= r["imbalance_best"] <= min(r["imbalance_lpt"], r["imbalance_kk"], r["imbalance_contiguous"])
+        assert r["T_over_U_whole_trees"] >= r["T_over_U_sliced_mean"]
 
 
 def test_committed_dfs_results_render_with_their_calls():

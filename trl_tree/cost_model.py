@@ -190,3 +190,38 @@ def default_memory_budget(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * 0.8)
+
+
+# ---------------------------------------------------------------------- FLOPs of a step
+@dataclass
+class StepCost:
+    """What one policy forward+backward runs: tokens through the layer stack, LM-head rows, and
+    Σ visible keys over all queries (attention pairs)."""
+
+    tokens: int
+    predictions: int
+    attention_pairs: int
+
+
+def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_recompute: bool = True) -> float:
+    """FLOPs of forward + backward (+ the recompute under gradient checkpointing).
+
+    Body: 2 FLOPs per weight per token forward; backward twice that. LM head: 2·H·V per row.
+    Attention: QKᵀ and PV, 4·heads·head_dim per visible (query, key) pair forward.
+    ``attention_recompute=False``: the recompute skips the attention (its outputs were kept,
+    ``attention/kept.py``).
+    """
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = head_dim_of(config)
+    kv = config.num_key_value_heads
+    inter = config.intermediate_size
+    layers = config.num_hidden_layers
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+    body_fwd = 2 * per_layer * layers * cost.tokens
+    attn_fwd = 4 * heads * head_dim * layers * cost.attention_pairs
+    head_fwd = 2 * h * config.vocab_size * cost.predictions
+    passes = 3 + (1 if gradient_checkpointing else 0)  # fwd + bwd (2x) [+ recompute]
+    attention_passes = passes - (1 if gradient_checkpointing and not attention_recompute else 0)
+    # the fused head recomputes its tiles in backward: fwd + recompute + 2 gradient GEMMs
+    return passes * body_fwd + attention_passes * attn_fwd + 4 * head_fwd
