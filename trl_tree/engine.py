@@ -527,10 +527,11 @@ def tree_values(
     return list(values.split(plan.counts.tolist()))
 
 
-def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size,
-                    memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head,
-                    values_only: bool):
-    """Flat ``(logps, entropies, values, plan)`` of :func:`tree_logprobs` / :func:`tree_values`."""
+def _prepared_call(model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
+                   rope_length, lm_head_fp32, router, value_head, values_only: bool):
+    """What every entry point does first: check the arguments, validate the model against the
+    sequences (``prepare``), resolve ``mode="auto"``, plan the scoring; returns
+    ``(parts, forest, mode, chunk_size, plan)``."""
     _check_mode(mode)
     _check_temperature(temperature)
     _check_chunk_size(chunk_size)
@@ -538,7 +539,16 @@ def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy
     _check_cuda_graphs(cuda_graphs, mode)
     parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
     mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
-    plan = forest.scoring_plan(score_from)
+    return parts, forest, mode, chunk_size, forest.scoring_plan(score_from)
+
+
+def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size,
+                    memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head,
+                    values_only: bool):
+    """Flat ``(logps, entropies, values, plan)`` of :func:`tree_logprobs` / :func:`tree_values`."""
+    parts, forest, mode, chunk_size, plan = _prepared_call(
+        model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
+        rope_length, lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
                          forward_only=True)
@@ -630,16 +640,11 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
               memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, with_entropy, value_head,
               values_only: bool) -> float:
     """:func:`tree_backward` and :func:`tree_value_backward`."""
-    _check_mode(mode)
-    _check_temperature(temperature)
-    _check_chunk_size(chunk_size)
-    _check_keep_attention(keep_attention)
-    _check_cuda_graphs(cuda_graphs, mode)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
-    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
-    plan = forest.scoring_plan(score_from)
+    parts, forest, mode, chunk_size, plan = _prepared_call(
+        model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
+        rope_length, lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
         if keep_graph is None:
             keep_graph = _checkpointing(parts)

@@ -160,8 +160,10 @@ def _load_value_model(value_model, policy: torch.nn.Module, model_init_kwargs: d
     kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k not in ("device_map",)}
     kwargs.setdefault("dtype", pretrained.dtype)
     kwargs.setdefault("attn_implementation", pretrained.config._attn_implementation)
-    path = value_model or getattr(pretrained.config, "_name_or_path", "") or None
-    if path and os.path.isdir(path) or (path and value_model is not None):
+    if value_model is not None:
+        return AutoModelForTokenClassification.from_pretrained(value_model, num_labels=1, **kwargs)
+    path = getattr(pretrained.config, "_name_or_path", "")
+    if path and os.path.isdir(path):  # the policy's own checkpoint, with a fresh one-value head
         return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
     # built in memory: the same architecture, the policy's backbone weights, a fresh head
     config = pretrained.config.__class__.from_dict({**pretrained.config.to_dict(), "num_labels": 1})

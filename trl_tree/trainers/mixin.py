@@ -50,6 +50,7 @@ class TreeTrainerMixin:
         self._tree_step_seconds = 0.0
         self._tree_prepare_seconds = 0.0
         self._tree_sync_pending = False
+        self._tree_layout_cache = None
         self._check_tree_support()
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
@@ -65,14 +66,7 @@ class TreeTrainerMixin:
         if getattr(self, "_is_vlm", False):
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
-        dropout = active_dropout(self.model)
-        if dropout:
-            raise ValueError(
-                f"{name}: dropout is active in the model ({', '.join(dropout[:4])}{' ...' if len(dropout) > 4 else ''});"
-                " the tree computes a shared token once and cannot draw one dropout mask per sequence as the untreed "
-                "batch does. Set disable_dropout=True (it zeroes nn.Dropout modules; TRL leaves them on by default) "
-                "and the config's attention_dropout to 0, or use tree_mode='off'"
-            )
+        self._refuse_dropout(self.model, "the model")
         why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, parts.compute_dtype,
                                 args.tree_mode)
         if why is not None:
@@ -97,6 +91,18 @@ class TreeTrainerMixin:
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
                 f"gradients themselves, which is done for DDP only, not {self.accelerator.distributed_type.value}; "
                 "use tree_mode='packed' without tree_token_budget"
+            )
+
+    def _refuse_dropout(self, model: torch.nn.Module, what: str) -> None:
+        """Refuse ``model`` (the policy, a value model) with active dropout, at construction."""
+        dropout = active_dropout(model)
+        if dropout:
+            raise ValueError(
+                f"{type(self).__name__}: dropout is active in {what} ({', '.join(dropout[:4])}"
+                f"{' ...' if len(dropout) > 4 else ''}); the tree computes a shared token once and cannot draw one "
+                "dropout mask per sequence as the untreed batch does. Set disable_dropout=True (it zeroes nn.Dropout "
+                "modules; TRL leaves them on by default) and the config's attention_dropout to 0, or use "
+                "tree_mode='off'"
             )
 
     # ------------------------------------------------------------------ micro-batches
@@ -184,10 +190,9 @@ class TreeTrainerMixin:
         present = sorted(k for k, v in multimodal.items() if v is not None)
         if present:
             raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
-        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
         differentiable = torch.is_grad_enabled()
-        calls = self._tree_calls(rows, None if differentiable else batch_size)
-        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
+                                                 None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
         by_hand = differentiable and not two_pass and self._graphs_by_hand()
         if by_hand:
@@ -247,6 +252,23 @@ class TreeTrainerMixin:
         if not self.args.tree_cuda_graphs or self.args.tree_mode == "dfs":
             return False
         return "buckets" if self.args.tree_cuda_graph_buckets else True
+
+    def _tree_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     batch_size: int | None) -> tuple[PaddedRows, list[list[int]], list[PrefixForest]]:
+        """The rows of a padded batch, cut into tree calls (``_tree_calls``) and built into forests —
+        once for the same rollouts: the old-policy, reference (and critic) passes of a generation
+        batch, and the policy (and critic) passes of a micro-batch's loss, reuse the last layout
+        when their tokens, mask and chunking are the same."""
+        key = (logits_to_keep, batch_size, tuple(input_ids.shape))
+        cached = self._tree_layout_cache
+        if (cached is not None and cached[0] == key and torch.equal(cached[1], input_ids)
+                and torch.equal(cached[2], attention_mask)):
+            return cached[3]
+        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
+        calls = self._tree_calls(rows, batch_size)
+        layout = rows, calls, [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        self._tree_layout_cache = (key, input_ids, attention_mask, layout)
+        return layout
 
     def _tree_calls(self, rows: PaddedRows, batch_size: int | None) -> list[list[int]]:
         """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
@@ -336,24 +358,21 @@ class TreeTrainerMixin:
                 router.set_backward(grad_aux)
         with self.accelerator.autocast():
             for call, forest in zip(calls, forests):
-                seqs, score_from = rows.subset(call)
-                counts = [len(s) - f for s, f in zip(seqs, score_from)]
-                where = rows.positions([call])
+                where, term_index = rows.call_terms(call)
                 weights = grad[where].float()  # flat, in the call's (row, token) order
                 ent_weights = grad_entropies[where].float() if with_entropy else None
                 value_weights = grad_values[where].float() if value_head is not None else None
-                offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
-                first = torch.tensor([f - 1 for f in score_from], device=grad.device)
 
                 def token_loss(lp, seq_idx, pos, ent=None, values=None, weights=weights, ent_weights=ent_weights,
-                               value_weights=value_weights, offsets=offsets, first=first):
-                    index = offsets[seq_idx] + pos - first[seq_idx]
+                               value_weights=value_weights, term_index=term_index):
+                    index = term_index(seq_idx, pos)
                     terms = lp * weights[index]
                     if ent is not None:
                         terms = terms + ent * ent_weights[index]
                     return terms if values is None else terms + values * value_weights[index]
 
-                tree_backward(model, forest, token_loss, score_from=score_from, keep_graph=self.args.tree_keep_graph,
+                tree_backward(model, forest, token_loss, score_from=rows.subset(call)[1],
+                              keep_graph=self.args.tree_keep_graph,
                               with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         self._sync_gradients(model)
 

@@ -28,8 +28,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model, use_adapter
 
 from ..engine import tree_value_backward, tree_values
-from ..forest import PrefixForest
-from ..model_parts import active_dropout, capture_last_hidden_state, value_model_parts
+from ..model_parts import capture_last_hidden_state, value_model_parts
 from .advantages import (
     clipped_value_loss,
     explained_variance,
@@ -44,7 +43,6 @@ from .config import TreePPOConfig, as_tree_config
 from .critic import Critic, _DetachedInput
 from .grad_sync import average_gradients
 from .mixin import TreeTrainerMixin
-from .rows import PaddedRows
 
 
 class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
@@ -75,6 +73,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ construction
     def _setup_critic(self, value_model) -> None:
         args = self.args
+        if self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+            raise ValueError(f"TreePPOTrainer: the critic is trained beside the policy with gradients averaged by hand "
+                             f"(DDP); {self.accelerator.distributed_type.value} is not supported yet")
         policy = self.accelerator.unwrap_model(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         vocab = policy.get_input_embeddings().num_embeddings  # the ids the policy reads (and generates)
@@ -89,10 +90,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             if args.gradient_checkpointing:
                 critic_model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
             if args.tree_mode != "off":
-                dropout = active_dropout(critic_model.base_model)
-                if dropout:
-                    raise ValueError(f"TreePPOTrainer: dropout is active in the value model ({', '.join(dropout[:4])});"
-                                     " set disable_dropout=True or use tree_mode='off'")
+                self._refuse_dropout(critic_model.base_model, "the value model")  # its own head's is never run
             if args.tree_compile_layers:
                 from ..compile import compile_layers
 
@@ -108,9 +106,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             names = [n for n, p in self.model.named_parameters() if any(p is q for q in self.critic.adapter_params
                                                                         .values())]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, names)
-        if self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
-            raise ValueError(f"TreePPOTrainer: the critic is trained beside the policy with gradients averaged by hand "
-                             f"(DDP); {self.accelerator.distributed_type.value} is not supported yet")
 
     def create_optimizer(self, model=None):
         """TRL's optimizer for the policy, plus one parameter group for the critic (its own learning
@@ -259,9 +254,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
             return bridge(values, None, padded_backward)[0]
 
-        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
-        calls = self._tree_calls(rows, None if differentiable else batch_size)
-        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        # the layout the policy's pass over the same rollouts built (``_tree_layout``)
+        rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
+                                                 None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1 or needs_active)
         kwargs = self._value_kwargs(input_ids.shape[1])
         parts = []
@@ -276,16 +271,13 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         def second_pass(grad, *_):
             with self.critic.active(policy), self.accelerator.autocast():
                 for call, forest in zip(calls, forests):
-                    seqs, score_from = rows.subset(call)
-                    counts = [len(s) - f for s, f in zip(seqs, score_from)]
-                    weights = grad[rows.positions([call])].float()
-                    offsets = torch.tensor([0] + counts[:-1], device=grad.device).cumsum(0)
-                    first = torch.tensor([f - 1 for f in score_from], device=grad.device)
+                    where, term_index = rows.call_terms(call)
+                    weights = grad[where].float()
 
-                    def value_loss(v, seq_idx, pos, weights=weights, offsets=offsets, first=first):
-                        return v * weights[offsets[seq_idx] + pos - first[seq_idx]]
+                    def value_loss(v, seq_idx, pos, weights=weights, term_index=term_index):
+                        return v * weights[term_index(seq_idx, pos)]
 
-                    tree_value_backward(model, forest, value_loss, head, score_from=score_from,
+                    tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1],
                                         keep_graph=self.args.tree_keep_graph, **kwargs)
 
         return bridge(values, None, second_pass)[0]

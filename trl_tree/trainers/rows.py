@@ -86,6 +86,20 @@ class PaddedRows:
         take = torch.from_numpy(take.astype(np.int64)).to(self.rows.device)
         return self.rows.index_select(0, take), self.cols.index_select(0, take)
 
+    def call_terms(self, call: list[int]):
+        """Where one tree call's terms sit in the ``(B, logits_to_keep)`` output, and the map from the
+        engine's ``(seq_idx, pos)`` of a term to its index in the call's flat terms (what a second
+        pass needs to read per-token weights ``grad[where][index(seq_idx, pos)]``)."""
+        seqs, score_from = self.subset(call)
+        counts = [len(s) - f for s, f in zip(seqs, score_from)]
+        offsets = torch.tensor([0] + counts[:-1], device=self.rows.device).cumsum(0)
+        first = torch.tensor([f - 1 for f in score_from], device=self.rows.device)
+
+        def index(seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return offsets[seq_idx] + pos - first[seq_idx]
+
+        return self.positions([call]), index
+
     def to_padded(self, flat_per_call: list[torch.Tensor], calls: list[list[int]]) -> torch.Tensor:
         """Scatter the tree calls' flat scores (each in its rows' order) into ``(B, logits_to_keep)``.
 
