@@ -13,6 +13,7 @@ from trl import GRPOConfig, RLOOConfig
 
 TREE_MODES = ("packed", "dfs", "off")
 TREE_SHUFFLES = ("groups", "rows")
+TREE_WINDOWS = ("auto", "accumulation", "micro_step")
 ATTN_BACKENDS = ("auto", "flash", "torch_flash", "flex", "sdpa", "eager")
 
 
@@ -36,6 +37,17 @@ class TreeArguments:
             "has TRL's row count. 'rows': TRL's own row shuffle, so every micro-batch (and so every per-micro-batch "
             "normaliser and optimizer step) holds exactly the rows stock TRL gives it, at the cost of sharing. "
             "With one micro-batch per generation batch both give TRL's update (see docs/trainers.md)."
+        },
+    )
+    tree_window: str = field(
+        default="auto",
+        metadata={
+            "help": f"Which rows one set of trees covers, one of {TREE_WINDOWS}. 'micro_step': each micro-batch's "
+            "rows, on the rank that holds them. 'accumulation': every row of one gradient-accumulation window (the "
+            "micro-steps that share parameters) on all processes, cut into whole trees, each computed on one rank "
+            "balanced by cost; per-token log-probs and loss gradients move between ranks, the backward runs once at "
+            "the window's last micro-step (trl_tree.trainers.window). 'auto': 'accumulation' where the cost model "
+            "says it costs the busiest rank less (it counts the extra forward of the two-pass backward)."
         },
     )
     tree_attn_backend: str = field(
@@ -107,6 +119,8 @@ class TreeArguments:
             raise ValueError(f"tree_mode must be one of {TREE_MODES}, got {self.tree_mode!r}")
         if self.tree_shuffle not in TREE_SHUFFLES:
             raise ValueError(f"tree_shuffle must be one of {TREE_SHUFFLES}, got {self.tree_shuffle!r}")
+        if self.tree_window not in TREE_WINDOWS:
+            raise ValueError(f"tree_window must be one of {TREE_WINDOWS}, got {self.tree_window!r}")
         if self.tree_attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"tree_attn_backend must be one of {ATTN_BACKENDS}, got {self.tree_attn_backend!r}")
         for name in ("tree_token_budget", "tree_chunk_size"):
@@ -126,7 +140,7 @@ class TreeArguments:
 @dataclass
 class TreeGRPOConfig(GRPOConfig, TreeArguments):
     """``trl.GRPOConfig`` plus the tree fields of :class:`TreeArguments` (``tree_mode``, ``tree_shuffle``,
-    ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
+    ``tree_window``, ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
     ``tree_keep_graph``, ``tree_keep_attention``, ``tree_compile_layers``, ``tree_cuda_graphs``,
     ``tree_cuda_graph_buckets``)."""
 
@@ -138,7 +152,7 @@ class TreeGRPOConfig(GRPOConfig, TreeArguments):
 @dataclass
 class TreeRLOOConfig(RLOOConfig, TreeArguments):
     """``trl.RLOOConfig`` plus the tree fields of :class:`TreeArguments` (``tree_mode``, ``tree_shuffle``,
-    ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
+    ``tree_window``, ``tree_attn_backend``, ``tree_token_budget``, ``tree_chunk_size``, ``tree_memory_budget``,
     ``tree_keep_graph``, ``tree_keep_attention``, ``tree_compile_layers``, ``tree_cuda_graphs``,
     ``tree_cuda_graph_buckets``)."""
 

@@ -20,6 +20,7 @@ import contextlib
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +33,25 @@ from ..model_parts import active_dropout, model_parts, trainable_parameters
 from .bridge import bridge
 from .grad_sync import average_gradients
 from .grouping import group_cost, plan_micro_batches, prompt_groups, split_into_calls, take_rows
+from .exchange import RankExchange
 from .rows import PaddedRows
+from .window import TreeWindow
 
 MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
+
+
+@dataclass
+class _WindowState:
+    """The open accumulation window: its trees (None: its micro-steps run on their own), the
+    ``_step`` of its first and last micro-steps, and its micro-batches' tokens."""
+
+    window: TreeWindow | None
+    first: int
+    last: int
+    input_ids: list[torch.Tensor]
 
 
 class TreeTrainerMixin:
@@ -51,6 +65,8 @@ class TreeTrainerMixin:
         self._tree_prepare_seconds = 0.0
         self._tree_sync_pending = False
         self._tree_layout_cache = None
+        self._tree_window: _WindowState | None = None
+        self._tree_micro_in_update = 0  # micro-steps run since the last optimizer step
         self._check_tree_support()
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
@@ -134,6 +150,8 @@ class TreeTrainerMixin:
         self._tree_sync_pending = False
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._close_window(model)
+        self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False
             self._sync_gradients(self.accelerator.unwrap_model(model))
@@ -191,6 +209,10 @@ class TreeTrainerMixin:
         if present:
             raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
         differentiable = torch.is_grad_enabled()
+        if differentiable and self.model.training:
+            window, micro = self._window_for(input_ids, attention_mask, logits_to_keep, allowed=not compute_aux_loss)
+            if window is not None:
+                return self._window_policy(window, micro, model, compute_entropy)
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
@@ -220,6 +242,106 @@ class TreeTrainerMixin:
         if differentiable:
             self._log_forests(forests)
         return logps, entropies, aux_loss
+
+    # ------------------------------------------------------------------ accumulation windows
+    def _window_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                    allowed: bool = True) -> tuple[TreeWindow | None, int]:
+        """The window of the current micro-step and its index there — opened (a collective call on
+        every rank) at the window's first micro-step — or ``(None, 0)`` where micro-steps run on
+        their own (``tree_window``, the cost model's choice, a MoE load-balancing loss, which TRL
+        computes per micro-batch)."""
+        args = self.args
+        if args.tree_window == "micro_step" or self._buffered_inputs is None:
+            return None, 0
+        state = self._tree_window
+        if state is None:
+            state = self._open_window(allowed)
+        micro = self._step - state.first
+        if state.window is None:
+            return None, 0
+        expected = state.input_ids[micro]
+        if expected.shape != input_ids.shape or not torch.equal(expected, input_ids):
+            raise RuntimeError(
+                f"{type(self).__name__}: the policy's loss forward at micro-step {micro} of the accumulation window "
+                "is not over the buffered micro-batch's prompt+completion tokens; tree_window='accumulation' cannot "
+                "place it. Set tree_window='micro_step'"
+            )
+        return state.window, micro
+
+    def _open_window(self, allowed: bool) -> _WindowState:
+        args = self.args
+        spg = args.steps_per_generation
+        first = self._step % spg
+        remaining = max(self.current_gradient_accumulation_steps - self._tree_micro_in_update, 1)
+        n = min(remaining, spg - first)
+        micro_inputs = self._buffered_inputs[first : first + n]
+        input_ids = [torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in micro_inputs]
+        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes)
+        window = None
+        worth_trying = args.tree_window == "accumulation" or exchange.world > 1 or n > 1
+        if allowed and worth_trying:
+            rows = [PaddedRows.from_padded(ids, torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1),
+                                           b["completion_ids"].shape[1]) for ids, b in zip(input_ids, micro_inputs)]
+            parts = model_parts(self.model)
+            stock_two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+            window = TreeWindow(rows, [ids.shape[1] for ids in input_ids], exchange,
+                                parts.causal_lm.config.get_text_config(), bool(args.gradient_checkpointing),
+                                args.tree_token_budget, bool(parts.length_dependent_rope), stock_two_pass)
+            metrics = self._metrics["train"]
+            metrics["tree/rank_imbalance_stock"].append(window.stock_imbalance)
+            if args.tree_window == "auto" and not window.pays:
+                metrics["tree/rank_imbalance"].append(window.stock_imbalance)
+                window = None
+            else:
+                metrics["tree/rank_imbalance"].append(window.imbalance)
+        self._tree_window = _WindowState(window, self._step, self._step + n - 1, input_ids)
+        return self._tree_window
+
+    def _window_policy(self, window: TreeWindow, micro: int, model, compute_entropy: bool):
+        """The policy's log-probs (entropies, a shared critic's values) of micro-step ``micro`` from
+        the window's trees, through the bridge whose backward keeps their gradients for the window's
+        one tree backward."""
+        target = self.accelerator.unwrap_model(model)
+        device = self.accelerator.device
+        value_head = self._joint_value_head()
+        lm_head_fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+        if "policy" not in window.passes:
+            def score(rows, calls, forests, rope_length):
+                kwargs = dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32)
+                with self.accelerator.autocast():
+                    return self._score_calls(target, rows, calls, forests, compute_entropy, True, None, kwargs,
+                                             value_head)
+
+            def backward(rows, calls, forests, rope_length, grads):
+                grad_logps, grad_entropies, grad_values = grads
+                if grad_logps is None:
+                    grad_logps = torch.zeros(rows.shape, device=device)
+                self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, None, None,
+                                    dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32), value_head, grad_values,
+                                    sync=False)
+
+            window.forward("policy", score, backward, device)
+            self._log_forests(window.forests)
+        logps, entropies, values = window.outputs("policy", micro)
+
+        def keep(grad_logps, grad_entropies, grad_aux, grad_values):
+            window.add_grads("policy", micro, [grad_logps, grad_entropies, grad_values])
+
+        logps, entropies, _, values = bridge(logps, entropies, keep, None, values)
+        if value_head is not None:
+            self._tree_joint_values = values
+        return logps, entropies, None
+
+    def _close_window(self, model) -> None:
+        """At the window's last micro-step: the trees' backward on their owners, then DDP's average."""
+        state = self._tree_window
+        if state is None or self._step - 1 < state.last:
+            return
+        self._tree_window = None
+        if state.window is None or not state.window.passes:
+            return
+        state.window.backward(self.accelerator.device)
+        self._sync_gradients(self.accelerator.unwrap_model(model))
 
     def _joint_value_head(self):
         """A value head to read in the same forward as the policy's log-probs (a critic on the
@@ -339,8 +461,8 @@ class TreeTrainerMixin:
 
     def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
                        grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
-                       call_kwargs: dict | None = None, value_head=None, grad_values: torch.Tensor | None = None
-                       ) -> None:
+                       call_kwargs: dict | None = None, value_head=None, grad_values: torch.Tensor | None = None,
+                       sync: bool = True) -> None:
         """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp`` (and
         ``grad_entropies = dLoss/dentropy`` for an entropy bonus; ``grad_aux`` for the MoE
         load-balancing loss collected in ``router``; ``grad_values = dLoss/dvalue`` for the values
@@ -374,7 +496,8 @@ class TreeTrainerMixin:
                 tree_backward(model, forest, token_loss, score_from=rows.subset(call)[1],
                               keep_graph=self.args.tree_keep_graph,
                               with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
-        self._sync_gradients(model)
+        if sync:
+            self._sync_gradients(model)
 
     def _sync_gradients(self, model) -> None:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward

@@ -72,6 +72,32 @@ class PaddedRows:
             shape=(B, logits_to_keep),
         )
 
+    @classmethod
+    def from_sequences(cls, sequences: list[torch.Tensor], score_from: list[int]) -> PaddedRows:
+        """Rows given as real tokens (``sequences[i]`` scored from ``score_from[i]`` on), laid out as
+        a ``(B, longest scored run)`` output — how a rank holds the rows of the trees it computes
+        for others (``trainers.window``)."""
+        counts = [len(s) - f for s, f in zip(sequences, score_from)]
+        if any(c < 1 or f < 1 for c, f in zip(counts, score_from)):
+            raise ValueError("every row needs a prompt token and at least one scored token")
+        device = sequences[0].device if sequences else torch.device("cpu")
+        rows = np.concatenate([np.full(c, i) for i, c in enumerate(counts)]) if counts else np.zeros(0)
+        cols = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
+        return cls(sequences=list(sequences), score_from=list(score_from),
+                   rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+                   cols=torch.from_numpy(cols.astype(np.int64)).to(device),
+                   shape=(len(counts), max(counts, default=0)))
+
+    @property
+    def scored_counts(self) -> list[int]:
+        """Scored tokens of each row."""
+        return [len(s) - f for s, f in zip(self.sequences, self.score_from)]
+
+    def flat(self, padded: torch.Tensor) -> torch.Tensor:
+        """The scored entries of a ``(B, logits_to_keep)`` tensor, row by row (the inverse of
+        ``to_padded`` over all rows in order)."""
+        return padded[self.rows, self.cols]
+
     def subset(self, index: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """Sequences and score offsets of the rows ``index`` (one tree call)."""
         return [self.sequences[i] for i in index], [self.score_from[i] for i in index]

@@ -1,0 +1,47 @@
+"""What moves between ranks when trees are placed on ranks other than their rows' own: token ids
+once per window, then per-token tensors (log-probs out, loss gradients back) — never activations.
+
+A thin layer over ``torch.distributed`` (the process group Accelerate set up: gloo on CPU, NCCL on
+GPU) that is the identity for one process, so the window code has one path for 1 and N ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class RankExchange:
+    """``rank`` and ``world`` of the default process group (0 and 1 when there is none)."""
+
+    def __init__(self, rank: int | None = None, world: int | None = None) -> None:
+        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if initialized else 0)
+        self.world = world if world is not None else (torch.distributed.get_world_size() if initialized else 1)
+        if self.world > 1 and not initialized:
+            raise RuntimeError(f"{self.world} ranks asked for but torch.distributed is not initialised")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (pickled; for the window's token ids and lengths)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+        """``send[d]`` (1-D, one dtype and device for all) goes to rank ``d``; returns what each rank
+        sent here, ``recv_sizes[s]`` elements from rank ``s``. Every rank knows the sizes (the plan
+        is computed identically everywhere), so no size exchange is needed."""
+        if len(send) != self.world or len(recv_sizes) != self.world:
+            raise ValueError(f"all_to_all needs one tensor and one size per rank ({self.world})")
+        if self.world == 1:
+            if send[0].numel() != recv_sizes[0]:
+                raise ValueError(f"sending {send[0].numel()} elements to self, expected {recv_sizes[0]}")
+            return [send[0]]
+        flat = torch.cat([t.reshape(-1) for t in send])
+        out = flat.new_empty(sum(recv_sizes))
+        torch.distributed.all_to_all_single(out, flat, output_split_sizes=list(recv_sizes),
+                                            input_split_sizes=[t.numel() for t in send])
+        return list(out.split(list(recv_sizes)))

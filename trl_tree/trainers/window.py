@@ -1,0 +1,263 @@
+"""One set of trees per gradient-accumulation window, each tree computed whole on one rank.
+
+Why: TRL lays a generation batch out so that the tree loses sharing in two places. Across ranks,
+each process gets a contiguous slice of rows, so a prompt group straddles ranks whenever a slice
+is not a multiple of ``num_generations`` and every rank computes the prompt. Within a rank, each
+micro-step sees ``per_device_train_batch_size`` rows — often 1–2 for long contexts — so a group
+is cut into several small forests. Yet the micro-steps of one accumulation window all run at the
+same parameters, and the update is a sum over them and over ranks. So a window:
+
+1. gathers every rank's rows of the window (token ids and lengths: the only bulk data moved);
+2. cuts them into trees (rows of one prompt), costs each tree from its lengths and depths
+   (``balance``: FLOPs with the attention term), and places whole trees on ranks with the most
+   even of LPT / Karmarkar–Karp / contiguous ranges — every rank computes the same plan;
+3. forward, without a graph: each rank scores the trees it owns and sends each row's per-token
+   results (log-probs, entropies, values) to the rank that holds the row in TRL's layout, where
+   TRL's loss code runs unchanged, micro-step by micro-step;
+4. each micro-step's loss gradient with respect to those per-token results is kept (the bridge,
+   ``trainers.bridge``); at the window's last micro-step they go back to the owners, which run one
+   tree backward each (``token_loss = g · logp``), and the gradients are averaged as DDP would.
+
+Rows never change hands in TRL's layout — only who computes their tokens — so every loss
+normaliser, advantage and metric is stock TRL's, and the update equals the untreed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cost_model import StepCost, step_flops
+from ..forest import PrefixForest
+from .balance import balance, imbalance
+from .exchange import RankExchange
+from .grouping import split_into_calls
+from .rows import PaddedRows
+
+#: a pass's forward over the owned rows: (rows, calls, forests, rope_length) -> padded per-token
+#: results on ``rows`` (None where the pass has none of a kind)
+Score = Callable[[PaddedRows, list, list, int], Sequence[torch.Tensor | None]]
+#: a pass's backward over the owned rows: (rows, calls, forests, rope_length, padded gradients)
+Backward = Callable[[PaddedRows, list, list, int, Sequence[torch.Tensor | None]], None]
+
+
+@dataclass
+class WindowRow:
+    """One row of the window: where TRL holds it and what it is."""
+
+    rank: int
+    micro: int
+    row: int
+    tokens: np.ndarray
+    score_from: int
+    width: int  # its micro-batch's padded width (what a length-dependent RoPE sees in stock TRL)
+
+    @property
+    def scored(self) -> int:
+        return len(self.tokens) - self.score_from
+
+
+def group_step_cost(prompt_len: int, completion_lens: Sequence[int]) -> StepCost:
+    """What one prompt group's tree runs, from lengths alone: the prompt once, each completion on
+    top (their own shared prefixes ignored — an upper bound), the attention term Σ depth over the
+    unique tokens (a token at depth ``d`` sees ``d`` keys)."""
+    p = prompt_len
+    pairs = p * (p + 1) // 2 + sum(c * (2 * p + c + 1) // 2 for c in completion_lens)
+    return StepCost(tokens=p + sum(completion_lens), predictions=sum(completion_lens), attention_pairs=pairs)
+
+
+@dataclass
+class _Pass:
+    backward: Backward
+    dtypes: list[torch.dtype | None]  # of each kind of output (None: the pass has none)
+    outputs: list[list[torch.Tensor | None]]  # per micro-step, per kind: padded on the micro-step's rows
+    grads: list[list[torch.Tensor | None]]  # per micro-step, per kind
+
+
+class TreeWindow:
+    """The plan and the passes (policy, critic) of one window. Every rank builds it from its own
+    micro-batches (``micro_rows``, ``widths``) in the same collective call."""
+
+    def __init__(self, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange, config,
+                 gradient_checkpointing: bool, token_budget: int | None, split_by_width: bool,
+                 stock_two_pass: bool) -> None:
+        self.micro_rows, self.exchange, self.token_budget = micro_rows, exchange, token_budget
+        mine = [[(s.detach().cpu().numpy().astype(np.int64), f) for s, f in zip(r.sequences, r.score_from)]
+                for r in micro_rows]
+        gathered = exchange.all_gather_object((mine, list(widths)))
+        self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
+                     for rank, (micros, rank_widths) in enumerate(gathered)
+                     for m, micro in enumerate(micros) for i, (tokens, first) in enumerate(micro)]
+        units: dict[tuple, list[int]] = {}
+        for g, row in enumerate(self.rows):
+            key = (row.width,) if split_by_width else ()
+            units.setdefault(key + tuple(row.tokens[: row.score_from].tolist()), []).append(g)
+        self.units = list(units.values())
+
+        def flops(rows: list[int], two_pass: bool) -> float:
+            cost = group_step_cost(self.rows[rows[0]].score_from, [self.rows[g].scored for g in rows])
+            extra = step_flops(cost, config, False) / 3 if two_pass else 0.0  # the forward without a graph
+            return step_flops(cost, config, gradient_checkpointing) + extra
+
+        costs = [flops(u, True) for u in self.units]
+        bins, self.method, self.imbalance = balance(costs, exchange.world)
+        self.rank_costs = [sum(costs[u] for u in b) for b in bins]
+        self.owner = [0] * len(self.rows)
+        for rank, b in enumerate(bins):
+            for u in b:
+                for g in self.units[u]:
+                    self.owner[g] = rank
+        # what TRL's own layout costs each rank: micro-step by micro-step, a forest per micro-batch
+        stock = [0.0] * exchange.world
+        pieces: dict[tuple, list[int]] = {}
+        for g, row in enumerate(self.rows):
+            pieces.setdefault((row.rank, row.micro, tuple(row.tokens[: row.score_from].tolist())), []).append(g)
+        for key, rows in pieces.items():
+            stock[key[0]] += flops(rows, stock_two_pass)
+        self.stock_rank_costs = stock
+        self.stock_imbalance = imbalance(stock, [[r] for r in range(exchange.world)])
+        self.owned = [g for g, r in enumerate(self.owner) if r == exchange.rank]
+        self.home = [g for g, row in enumerate(self.rows) if row.rank == exchange.rank]
+        self.passes: dict[str, _Pass] = {}
+        self._by_width = split_by_width
+        self._layout = None
+
+    # ------------------------------------------------------------------ plan
+    @property
+    def pays(self) -> bool:
+        """Whether the placed trees cost the busiest rank less than TRL's layout does."""
+        return max(self.rank_costs) < max(self.stock_rank_costs)
+
+    def layout(self, device: torch.device) -> tuple[PaddedRows, list[tuple[list, list[PrefixForest], int]]]:
+        """The owned rows and their tree calls: ``[(calls, forests, rope_length)]``, one entry per
+        padded width where a length-dependent RoPE needs it (``split_by_width``; else one entry at
+        the widest), calls cut by ``token_budget``."""
+        if self._layout is None:
+            seqs = [torch.from_numpy(self.rows[g].tokens).to(device) for g in self.owned]
+            owned = PaddedRows.from_sequences(seqs, [self.rows[g].score_from for g in self.owned])
+            by_width: dict[int, list[int]] = {}
+            for i, g in enumerate(self.owned):
+                by_width.setdefault(self.rows[g].width, []).append(i)
+            if not self._by_width and by_width:
+                by_width = {max(by_width): list(range(len(self.owned)))}
+            groups = []
+            for width in sorted(by_width):
+                index = by_width[width]
+                lists = [self.rows[self.owned[i]].tokens.tolist() for i in index]
+                calls = [[index[j] for j in call] for call in split_into_calls(lists, self.token_budget)]
+                groups.append((calls, [PrefixForest.from_sequences(owned.subset(c)[0]) for c in calls], width))
+            self._layout = owned, groups
+        return self._layout
+
+    @property
+    def forests(self) -> list[PrefixForest]:
+        """The forests this rank computes (built on first use)."""
+        return [f for _, forests, _ in self._layout[1] for f in forests] if self._layout else []
+
+    # ------------------------------------------------------------------ passes
+    def forward(self, name: str, score: Score, backward: Backward, device: torch.device) -> None:
+        """Run a pass's forward on the owned trees and bring each row's results home."""
+        if name in self.passes:
+            raise RuntimeError(f"the window's {name!r} pass already ran its forward")
+        owned, groups = self.layout(device)
+        results: list[torch.Tensor | None] | None = None
+        for calls, forests, rope_length in groups:
+            out = list(score(owned, calls, forests, rope_length))
+            results = out if results is None else [b if a is None else a if b is None else a + b
+                                                   for a, b in zip(results, out)]
+        dtypes = self._agree(None if results is None else [None if r is None else r.dtype for r in results])
+        outputs: list[list[torch.Tensor | None]] = [[None] * len(dtypes) for _ in self.micro_rows]
+        for k, dtype in enumerate(dtypes):
+            if dtype is None:
+                continue
+            flat = owned.flat(results[k]) if results is not None and results[k] is not None else None
+            home_flat = self._send(flat, self.owned, self.home, device, dtype)
+            for m, rows in enumerate(self.micro_rows):
+                part = home_flat[m]
+                outputs[m][k] = rows.to_padded([part], [list(range(len(rows.sequences)))]) if rows.sequences \
+                    else part.new_zeros(rows.shape)
+        self.passes[name] = _Pass(backward, dtypes, outputs, [[None] * len(dtypes) for _ in self.micro_rows])
+
+    def outputs(self, name: str, micro: int) -> list[torch.Tensor | None]:
+        return self.passes[name].outputs[micro]
+
+    def add_grads(self, name: str, micro: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Keep micro-step ``micro``'s loss gradients with respect to the pass's outputs."""
+        kept = self.passes[name].grads[micro]
+        for k, g in enumerate(grads):
+            if g is not None:
+                kept[k] = g.detach() if kept[k] is None else kept[k] + g.detach()
+
+    def backward(self, device: torch.device) -> None:
+        """Send every pass's gradients to the trees' owners and run each pass's tree backward."""
+        owned, groups = self.layout(device)
+        for p in self.passes.values():
+            flags = [any(g[k] is not None for g in p.grads) for k in range(len(p.dtypes))]
+            present = self._agree([p.dtypes[k] if f else None for k, f in enumerate(flags)])
+            if not any(d is not None for d in present):
+                continue  # the loss did not depend on this pass
+            padded: list[torch.Tensor | None] = []
+            for k, dtype in enumerate(present):
+                if dtype is None:
+                    padded.append(None)
+                    continue
+                parts = [rows.flat(g[k]).to(dtype) if g[k] is not None
+                         else torch.zeros(len(rows.rows), dtype=dtype, device=device)
+                         for rows, g in zip(self.micro_rows, p.grads)]
+                mine = self._send(torch.cat(parts), self.home, self.owned, device, dtype)
+                padded.append(owned.to_padded([torch.cat(mine)], [list(range(len(owned.sequences)))])
+                              if owned.sequences else None)
+            if owned.sequences:
+                for calls, forests, rope_length in groups:
+                    p.backward(owned, calls, forests, rope_length, padded)
+        self.passes.clear()
+
+    # ------------------------------------------------------------------ exchange
+    def _agree(self, dtypes: list[torch.dtype | None] | None) -> list[torch.dtype | None]:
+        """Which kinds of per-token values any rank has, and their dtype (a rank that owns no tree,
+        or whose micro-steps gave no gradient, learns them from the others)."""
+        every = [d for d in self.exchange.all_gather_object(dtypes) if d is not None]
+        if not every:
+            return []
+        return [next((d[k] for d in every if d[k] is not None), None) for k in range(len(every[0]))]
+
+    def _send(self, flat: torch.Tensor | None, sources: list[int], targets: list[int], device: torch.device,
+              dtype: torch.dtype) -> list[torch.Tensor]:
+        """Move per-token values of rows ``sources`` (this rank's, ``flat`` in their order) to the
+        ranks that hold them as ``targets``; returns what arrives here for ``targets``, in their
+        order: one tensor per micro-step when the targets are this rank's home rows, else one per
+        owned row."""
+        to_owner = targets is self.owned  # gradients going back to the trees' owners
+        dest_of = (lambda g: self.owner[g]) if to_owner else (lambda g: self.rows[g].rank)
+        src_of = (lambda g: self.rows[g].rank) if to_owner else (lambda g: self.owner[g])
+        counts = [self.rows[g].scored for g in sources]
+        if flat is None:
+            flat = torch.zeros(sum(counts), dtype=dtype, device=device)
+        pieces = list(flat.to(dtype).split(counts)) if counts else []
+        send = [[] for _ in range(self.exchange.world)]
+        for g, piece in zip(sources, pieces):
+            send[dest_of(g)].append(piece)
+        send_t = [torch.cat(s) if s else torch.zeros(0, dtype=dtype, device=device) for s in send]
+        recv_sizes = [0] * self.exchange.world
+        for g in targets:
+            recv_sizes[src_of(g)] += self.rows[g].scored
+        received = self.exchange.all_to_all(send_t, recv_sizes)
+        # targets arrive grouped by source rank, each group in target order: put them back in order
+        cursor = [0] * self.exchange.world
+        by_target = []
+        for g in targets:
+            s, n = src_of(g), self.rows[g].scored
+            by_target.append(received[s][cursor[s] : cursor[s] + n])
+            cursor[s] += n
+        if to_owner:
+            return by_target
+        out, start = [], 0
+        for m, rows in enumerate(self.micro_rows):
+            n = len(rows.sequences)
+            chunk = by_target[start : start + n]
+            out.append(torch.cat(chunk) if chunk else torch.zeros(0, dtype=dtype, device=device))
+            start += n
+        return out
