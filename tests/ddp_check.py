@@ -1,5 +1,9 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
+Last, accumulation windows placing whole trees on ranks (``main_windows``): GRPO and PPO, packed
+and dfs, on fixed rollouts whose prompt groups straddle the two processes; the test runs the same
+global batch on one process and checks that the updates agree.
+
 Then TreePPOTrainer: a separate critic (off, packed, dfs) and a critic adapter under LoRA (off,
 packed); the test checks that the ranks agree on policy and critic and that the tree equals the
 untreed run (the critic's gradients are averaged by hand).
@@ -77,6 +81,82 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
-if __name__ == "__main__":  # one launch for both (each launch costs two interpreter start-ups and imports)
+def fixed_rollout(prompts, trainer):
+    """Completions that depend only on the prompt and the row's place in the whole generation batch
+    (process-major, as TRL gathers it), so 1 and 2 processes train on the same rows. Each is
+    ``COMPLETION`` tokens long with no EOS: every micro-batch holds the same number of tokens, so
+    per-micro-batch normalisers (PPO's) give the same update however rows are split."""
+    tok = trainer.processing_class
+    offset = trainer.accelerator.process_index * len(prompts)
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        place = offset + i
+        head = [5 + (sum(ids) + k) % 20 for k in range(2)]  # shared by the group: the tree branches after it
+        tail = [5 + (sum(ids) * 3 + place * 7 + k * 5) % 40 for k in range(COMPLETION - 2)]
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(head + tail)
+        out["logprobs"].append([0.0] * COMPLETION)
+    return out
+
+
+COMPLETION = 6
+
+
+def reward_chars(completions, **kwargs):
+    """A reward that differs within every group of ``fixed_rollout``'s completions."""
+    return [(sum(map(ord, c)) % 11) / 10 for c in completions]
+
+#: accumulation windows over ranks: (algorithm, critic, tree_mode, tree_window)
+WINDOW_RUNS = (
+    ("grpo", None, "off", "auto"), ("grpo", None, "packed", "micro_step"), ("grpo", None, "packed", "accumulation"),
+    ("grpo", None, "dfs", "accumulation"), ("grpo", None, "packed", "auto"),
+    ("ppo", "separate", "off", "auto"), ("ppo", "separate", "packed", "accumulation"),
+    ("ppo", "separate", "dfs", "accumulation"), ("ppo", "shared", "off", "auto"),
+    ("ppo", "shared", "packed", "accumulation"),
+)
+
+
+def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
+    """Trees placed over ranks (``tree_window``): 6 rows per optimizer step and process over two
+    micro-steps, groups of 4, so with 2 processes a group straddles them; the same global batch
+    (12 rows) on 1 process. Writes each run's trained parameters and its tree metrics."""
+    from transformers import PreTrainedTokenizerFast
+
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    for algo, critic, mode, window in runs:
+        run = "-".join(x for x in (algo, critic, mode, window) if x)
+        common = dict(output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_window=window,
+                      per_device_train_batch_size=6 // processes, num_generations=4, max_completion_length=COMPLETION,
+                      learning_rate=0.05, optim="sgd", max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
+                      use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+                      logging_steps=1, model_init_kwargs={"dtype": torch.float64})
+        if algo == "grpo":
+            args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
+            cls = TreeGRPOTrainer
+        else:
+            args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
+            cls = TreePPOTrainer
+        torch.manual_seed(0)
+        trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
+                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                      processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+        trainer.train()
+        assert trainer.accelerator.num_processes == processes
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        if algo == "ppo":
+            params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
+        metrics = {}
+        for entry in trainer.state.log_history:  # this process's own logs
+            for k, v in entry.items():
+                if k.startswith("tree/"):
+                    metrics.setdefault(k, []).append(float(v))
+        torch.save({"params": params, "metrics": metrics},
+                   os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))
+
+
+if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)
     main(sys.argv[1], sys.argv[2])
     main_ppo(sys.argv[1], sys.argv[2])
+    main_windows(sys.argv[1], sys.argv[2])
+    torch.distributed.destroy_process_group()  # gloo's threads joined before the interpreter exits

@@ -1,5 +1,6 @@
 """Two CPU processes under ``accelerate launch``: gradient synchronisation in packed and dfs mode, and
-with CUDA graphs (their CPU stand-in), where the trainer averages the gradients by hand."""
+with CUDA graphs (their CPU stand-in), where the trainer averages the gradients by hand; trees
+placed over ranks by accumulation windows give the update one process gives on the same data."""
 
 from __future__ import annotations
 
@@ -58,3 +59,32 @@ def test_ppo_two_processes_agree_and_the_tree_equals_untreed(launched):
         for mode in modes:
             for name, p in runs[(f"{kind}-{mode}", 0)].items():
                 assert torch.allclose(p, ref[name], rtol=1e-9, atol=1e-9), f"{kind}-{mode} differs from off on {name}"
+
+
+def test_windows_two_processes_equal_one_process(launched):
+    """Prompt groups straddle the two processes; with ``tree_window='accumulation'`` each is computed
+    whole on one rank (log-probs and loss gradients moved between ranks), and every run — GRPO and
+    PPO (separate and shared critics), packed and dfs, windows or not — trains the parameters one
+    untreed process trains on the same 12 rows per optimizer step (float64; TRL's head rounds
+    through fp32)."""
+    import ddp_check
+
+    ddp_check.main_windows(str(launched / "tiny"), str(launched),
+                           [r for r in ddp_check.WINDOW_RUNS if r[2] == "off"])
+    for algo, critic, mode, window in ddp_check.WINDOW_RUNS:
+        run = "-".join(x for x in (algo, critic, mode, window) if x)
+        two = [torch.load(launched / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        one = torch.load(launched / f"win-{'-'.join(x for x in (algo, critic, 'off-auto') if x)}-p1_rank0.pt")
+        for name, p in two[0]["params"].items():
+            assert torch.equal(p, two[1]["params"][name]), f"{run}: ranks disagree on {name}"
+            ref = one["params"][name]
+            err = ((p - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            assert err <= 1e-5, f"{run}: {name} differs from one process by {err:.2e}"
+        if mode != "off" and window == "accumulation":
+            metrics = [t["metrics"] for t in two]
+            assert metrics[0]["tree/rank_imbalance"] == metrics[1]["tree/rank_imbalance"]  # one plan, every rank
+            assert max(metrics[0]["tree/rank_imbalance"]) <= 1.05
+    # whole trees share more than each process's micro-batches did
+    def dedup(run):
+        return [torch.load(launched / f"win-{run}-p2_rank{r}.pt")["metrics"]["tree/dedup_ratio"][0] for r in (0, 1)]
+    assert min(dedup("grpo-packed-accumulation")) > max(dedup("grpo-packed-micro_step")) * 1.3

@@ -11,6 +11,7 @@ unique-token cost (longest-processing-time first), so no micro-batch is much hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,3 +118,28 @@ def split_into_calls(sequences: list[list[int]], budget: int | None) -> list[lis
     if current:
         calls.append(current)
     return calls
+
+
+
+def plan_windows(groups: list[list[int]], steps_per_generation: int, accumulation: int,
+                 costs_of: Callable[[list[list[int]]], list[int]] | None = None,
+                 generator: torch.Generator | None = None) -> list[list[int]]:
+    """``plan_micro_batches`` for several optimizer steps per generation batch: the groups, in
+    random order, laid end to end and cut into ``steps_per_generation / accumulation`` windows of
+    equal rows (whole groups where the window's row count is a multiple of the group size), each
+    window cut into its ``accumulation`` micro-batches. ``costs_of(pieces)``: the costs of the
+    groups (or pieces of groups) of one window, for the token budget's balancing; None: no costs."""
+    windows = steps_per_generation // accumulation
+    if windows <= 1 or steps_per_generation % accumulation:
+        return plan_micro_batches(groups, steps_per_generation, costs_of(groups) if costs_of else None, generator)
+    order = torch.randperm(len(groups), generator=generator).tolist()
+    laid = [(k, i) for k in order for i in groups[k]]
+    per_window = len(laid) // windows
+    plan: list[list[int]] = []
+    for w in range(windows):
+        pieces: dict[int, list[int]] = {}
+        for k, i in laid[w * per_window : (w + 1) * per_window]:
+            pieces.setdefault(k, []).append(i)
+        window = list(pieces.values())
+        plan.extend(plan_micro_batches(window, accumulation, costs_of(window) if costs_of else None, generator))
+    return plan

@@ -32,7 +32,7 @@ from ..attention.support import attention_refusal
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from .bridge import bridge
 from .grad_sync import average_gradients
-from .grouping import group_cost, plan_micro_batches, prompt_groups, split_into_calls, take_rows
+from .grouping import group_cost, plan_windows, prompt_groups, split_into_calls, take_rows
 from .exchange import RankExchange
 from .rows import PaddedRows
 from .window import TreeWindow
@@ -101,12 +101,65 @@ class TreeTrainerMixin:
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
                 "tree_cuda_graphs=False"
             )
+        self._check_whole_groups()
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         if two_pass and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
                 f"gradients themselves, which is done for DDP only, not {self.accelerator.distributed_type.value}; "
                 "use tree_mode='packed' without tree_token_budget"
+            )
+
+    def _windows_on(self) -> bool:
+        return self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
+
+    def _check_whole_groups(self) -> None:
+        """Refuse batch sizes with which accumulation windows cannot hold whole prompt groups; warn
+        where ``tree_window='micro_step'`` splits groups between ranks or micro-steps."""
+        args, name = self.args, type(self).__name__
+        processes, per_device = self.accelerator.num_processes, args.per_device_train_batch_size
+        accumulation, spg, g = args.gradient_accumulation_steps, args.steps_per_generation, self.num_generations
+        if self._windows_on():
+            if spg <= accumulation:
+                return  # one window per generation batch: TRL keeps it a whole number of groups
+            if spg % accumulation:
+                raise ValueError(
+                    f"{name}: steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
+                    f"{accumulation}, so an accumulation window would hold micro-steps of two generation batches. Set "
+                    f"steps_per_generation to a multiple of {accumulation}, or tree_window='micro_step'"
+                )
+            if (per_device * accumulation) % g:
+                # TRL's group statistics need each group's rows contiguous over the processes, so a
+                # process's window (per_device x accumulation rows) must itself hold whole groups
+                step = g // math.gcd(g, per_device)
+                raise ValueError(
+                    f"{name}: with {spg // accumulation} optimizer steps per generation batch, an optimizer step takes "
+                    f"per_device_train_batch_size x gradient_accumulation_steps = {per_device} x {accumulation} rows "
+                    f"of each process, not a multiple of num_generations={g}: prompt groups would be split between "
+                    f"optimizer steps, each piece computing its prompt. Use gradient_accumulation_steps="
+                    f"{step * math.ceil(accumulation / step)} (steps_per_generation a multiple of it), or "
+                    f"steps_per_generation={accumulation} (one optimizer step per generation batch), or set "
+                    "tree_window='micro_step' to train with split groups"
+                )
+            if args.tree_shuffle == "rows":
+                warnings.warn(
+                    f"{name}: tree_shuffle='rows' is TRL's row shuffle over the whole generation batch, so the "
+                    f"{spg // accumulation} optimizer steps of a generation batch split its prompt groups between them "
+                    "(each piece computes its prompt); tree_shuffle='groups' keeps them whole", stacklevel=3,
+                )
+            return
+        split = []
+        if processes > 1 and (per_device * spg) % g:
+            split.append(f"between processes ({per_device * spg} rows each)")
+        if per_device % g:
+            split.append(f"between micro-steps ({per_device} rows each)")
+        elif args.tree_shuffle == "rows" and spg > 1:
+            split.append("between micro-steps (tree_shuffle='rows' is TRL's row shuffle)")
+        if split:
+            warnings.warn(
+                f"{name}: with tree_window='micro_step' prompt groups of num_generations={g} are split "
+                f"{' and '.join(split)}, and each piece computes its prompt; tree_window='auto' or 'accumulation' "
+                "computes every group whole on one rank", stacklevel=3,
             )
 
     def _refuse_dropout(self, model: torch.nn.Module, what: str) -> None:
@@ -134,12 +187,17 @@ class TreeTrainerMixin:
                 if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
                     raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
                 groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
-                costs = None
+                costs_of = None
                 if self.args.tree_token_budget is not None:
                     prompt_len = batch["prompt_mask"].sum(1).tolist()
                     completion_len = batch["completion_mask"].sum(1).tolist()
-                    costs = [group_cost(g, prompt_len, completion_len) for g in groups]
-                plan = plan_micro_batches(groups, self.args.steps_per_generation, costs)
+
+                    def costs_of(pieces):
+                        return [group_cost(g, prompt_len, completion_len) for g in pieces]
+
+                spg = self.args.steps_per_generation
+                per_window = self.args.gradient_accumulation_steps if self._windows_on() else spg
+                plan = plan_windows(groups, spg, per_window, costs_of)
                 self._buffered_inputs = [take_rows(batch, rows) for rows in plan]
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
         finally:

@@ -254,33 +254,67 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
             return bridge(values, None, padded_backward)[0]
 
+        if differentiable and self.model.training:
+            window, micro = self._window_for(input_ids, attention_mask, logits_to_keep)
+            if window is not None:
+                return self._window_values(window, micro, policy, model, head)
         # the layout the policy's pass over the same rollouts built (``_tree_layout``)
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1 or needs_active)
         kwargs = self._value_kwargs(input_ids.shape[1])
-        parts = []
-        with self.critic.active(policy), self.accelerator.autocast(), \
-                torch.no_grad() if not differentiable or two_pass else contextlib.nullcontext():
-            for call, forest in zip(calls, forests):
-                parts.append(torch.cat(tree_values(model, forest, head, score_from=rows.subset(call)[1], **kwargs)))
-        values = rows.to_padded(parts, calls)
+        with contextlib.nullcontext() if differentiable and not two_pass else torch.no_grad():
+            values = self._tree_values(policy, model, head, rows, calls, forests, kwargs)
         if not two_pass:
             return values
 
         def second_pass(grad, *_):
-            with self.critic.active(policy), self.accelerator.autocast():
-                for call, forest in zip(calls, forests):
-                    where, term_index = rows.call_terms(call)
-                    weights = grad[where].float()
-
-                    def value_loss(v, seq_idx, pos, weights=weights, term_index=term_index):
-                        return v * weights[term_index(seq_idx, pos)]
-
-                    tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1],
-                                        keep_graph=self.args.tree_keep_graph, **kwargs)
+            self._tree_values_backward(policy, model, head, rows, calls, forests, grad, kwargs)
 
         return bridge(values, None, second_pass)[0]
+
+    def _tree_values(self, policy, model, head, rows, calls, forests, kwargs) -> torch.Tensor:
+        """``(B, logits_to_keep)`` values of ``rows`` from the tree calls."""
+        parts = []
+        with self.critic.active(policy), self.accelerator.autocast():
+            for call, forest in zip(calls, forests):
+                parts.append(torch.cat(tree_values(model, forest, head, score_from=rows.subset(call)[1], **kwargs)))
+        return rows.to_padded(parts, calls)
+
+    def _tree_values_backward(self, policy, model, head, rows, calls, forests, grad, kwargs) -> None:
+        """The critic's tree backward with the per-token weights ``grad = dLoss/dvalue``."""
+        with self.critic.active(policy), self.accelerator.autocast():
+            for call, forest in zip(calls, forests):
+                where, term_index = rows.call_terms(call)
+                weights = grad[where].float()
+
+                def value_loss(v, seq_idx, pos, weights=weights, term_index=term_index):
+                    return v * weights[term_index(seq_idx, pos)]
+
+                tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1],
+                                    keep_graph=self.args.tree_keep_graph, **kwargs)
+
+    def _window_values(self, window, micro: int, policy, model, head) -> torch.Tensor:
+        """The critic's values of micro-step ``micro`` from the accumulation window's trees (the
+        window's ``critic`` pass: its backward runs once, with the policy's, at the window's end)."""
+        if "critic" not in window.passes:
+            def score(rows, calls, forests, rope_length):
+                with torch.no_grad():
+                    return [self._tree_values(policy, model, head, rows, calls, forests,
+                                              self._value_kwargs(rope_length))]
+
+            def backward(rows, calls, forests, rope_length, grads):
+                if grads[0] is not None:
+                    self._tree_values_backward(policy, model, head, rows, calls, forests, grads[0],
+                                               self._value_kwargs(rope_length))
+
+            window.forward("critic", score, backward, self.accelerator.device)
+        (values,) = window.outputs("critic", micro)
+
+        def keep(grad, *_):
+            window.add_grads("critic", micro, [grad])
+
+        return bridge(values, None, keep)[0]
 
     def _value_kwargs(self, width: int) -> dict:
         kwargs = self._mode_kwargs()

@@ -37,6 +37,9 @@ from .exchange import RankExchange
 from .grouping import split_into_calls
 from .rows import PaddedRows
 
+#: busiest rank over mean above which a tree is cut in two to balance the ranks
+SPLIT_ABOVE = 1.05
+
 #: a pass's forward over the owned rows: (rows, calls, forests, rope_length) -> padded per-token
 #: results on ``rows`` (None where the pass has none of a kind)
 Score = Callable[[PaddedRows, list, list, int], Sequence[torch.Tensor | None]]
@@ -85,9 +88,7 @@ class TreeWindow:
                  gradient_checkpointing: bool, token_budget: int | None, split_by_width: bool,
                  stock_two_pass: bool) -> None:
         self.micro_rows, self.exchange, self.token_budget = micro_rows, exchange, token_budget
-        mine = [[(s.detach().cpu().numpy().astype(np.int64), f) for s, f in zip(r.sequences, r.score_from)]
-                for r in micro_rows]
-        gathered = exchange.all_gather_object((mine, list(widths)))
+        gathered = exchange.all_gather_object(self.payload(micro_rows, widths))
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
                      for rank, (micros, rank_widths) in enumerate(gathered)
                      for m, micro in enumerate(micros) for i, (tokens, first) in enumerate(micro)]
@@ -102,8 +103,8 @@ class TreeWindow:
             extra = step_flops(cost, config, False) / 3 if two_pass else 0.0  # the forward without a graph
             return step_flops(cost, config, gradient_checkpointing) + extra
 
-        costs = [flops(u, True) for u in self.units]
-        bins, self.method, self.imbalance = balance(costs, exchange.world)
+        self.units, costs, bins, self.method = self._place(self.units, lambda u: flops(u, True), exchange.world)
+        self.imbalance = imbalance(costs, bins)
         self.rank_costs = [sum(costs[u] for u in b) for b in bins]
         self.owner = [0] * len(self.rows)
         for rank, b in enumerate(bins):
@@ -126,6 +127,40 @@ class TreeWindow:
         self._layout = None
 
     # ------------------------------------------------------------------ plan
+    @staticmethod
+    def payload(micro_rows: list[PaddedRows], widths: list[int]) -> tuple:
+        """What a rank sends every other when a window opens: its rows' tokens and score offsets per
+        micro-step, and the micro-batches' padded widths."""
+        mine = [[(s.detach().cpu().numpy().astype(np.int64), f) for s, f in zip(r.sequences, r.score_from)]
+                for r in micro_rows]
+        return mine, list(widths)
+
+    def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int):
+        """Whole trees onto ranks (``balance``); while the busiest rank carries more than
+        ``SPLIT_ABOVE`` × the mean, its heaviest tree is cut in two (rows in trie order, so each
+        half keeps its shared prefixes; each half pays the prompt again) where that lowers the
+        busiest rank's cost — few large trees over many ranks cannot be balanced whole."""
+        costs = [cost(u) for u in units]
+        bins, method, worst = balance(costs, ranks)
+        for _ in range(2 * ranks):
+            totals = [sum(costs[u] for u in b) for b in bins]
+            if worst <= SPLIT_ABOVE:
+                break
+            busiest = max(range(ranks), key=totals.__getitem__)
+            cuttable = [u for u in bins[busiest] if len(units[u]) > 1]
+            if not cuttable:
+                break
+            u = max(cuttable, key=costs.__getitem__)
+            rows = sorted(units[u], key=lambda g: self.rows[g].tokens.tolist())
+            halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+            trial = units[:u] + halves + units[u + 1 :]
+            trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
+            trial_bins, trial_method, trial_worst = balance(trial_costs, ranks)
+            if max(sum(trial_costs[i] for i in b) for b in trial_bins) >= max(totals):
+                break
+            units, costs, bins, method, worst = trial, trial_costs, trial_bins, trial_method, trial_worst
+        return units, costs, bins, method
+
     @property
     def pays(self) -> bool:
         """Whether the placed trees cost the busiest rank less than TRL's layout does."""
