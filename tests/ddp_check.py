@@ -143,7 +143,8 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
                       processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
         trainer.train()
         assert trainer.accelerator.num_processes == processes
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in trainer.model.named_parameters() if p.requires_grad}
         if algo == "ppo":
             params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
         metrics = {}
@@ -151,7 +152,9 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
             for k, v in entry.items():
                 if k.startswith("tree/"):
                     metrics.setdefault(k, []).append(float(v))
-        torch.save({"params": params, "metrics": metrics},
+        torch.save({"params": params, "metrics": metrics,
+                    "distributed_type": trainer.accelerator.distributed_type.value,
+                    "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())},
                    os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))
 
 
@@ -159,4 +162,6 @@ if __name__ == "__main__":  # one launch for all (each launch costs two interpre
     main(sys.argv[1], sys.argv[2])
     main_ppo(sys.argv[1], sys.argv[2])
     main_windows(sys.argv[1], sys.argv[2])
-    torch.distributed.destroy_process_group()  # gloo's threads joined before the interpreter exits
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort an orderly interpreter exit ("terminate called ..."); all is saved

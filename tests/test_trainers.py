@@ -277,11 +277,14 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
 
     def check(**fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
-                                  "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", **fields})
+                                  "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", "tree_window": "auto",
+                                  "tree_shuffle": "groups", "per_device_train_batch_size": 4,
+                                  "gradient_accumulation_steps": 1, "steps_per_generation": 1, **fields})
         fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
-        fake.args, fake.model = args, tiny_model()
-        fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper))
+        fake.args, fake.model, fake.num_generations = args, tiny_model(), 4
+        fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper), num_processes=2)
         fake._check_tree_support()
+        return fake
 
     check()  # packed, no budget, no graphs: the wrapper's own backward runs
     with pytest.raises(ValueError, match=f"tree_cuda_graphs .* not {wrapper}"):
@@ -289,3 +292,6 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}):
         with pytest.raises(ValueError, match=f"tree_mode='dfs' and tree_token_budget .* not {wrapper}"):
             check(**fields)
+    with pytest.raises(ValueError, match=f"tree_window='accumulation' .* not {wrapper}"):
+        check(tree_window="accumulation")
+    assert not check()._windows_on()  # 'auto' runs micro-step trees there

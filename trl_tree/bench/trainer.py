@@ -14,7 +14,9 @@ adapter needs ``--lora``) on the same rollouts; what is timed is the policy+crit
 rollout's no-grad passes — old values, GAE — are part of generation, as GRPO's old log-probs are),
 and "stock" is the same trainer with ``tree_mode="off"``. ``--workload W4``: the suite's agentic
 tree (a 4.8k system prompt, 12 trajectories branching at tool calls) as rollouts of one prompt;
-``--lora``: a rank-16 LoRA on every linear layer of the policy.
+``--lora``: a rank-16 LoRA on every linear layer of the policy. ``--per-device 2 --accumulation 8``
+with ``--modes off,packed+micro,packed+window``: a group cut over small micro-batches, the trees
+per micro-batch against per accumulation window (``tree_window``).
 
 Several GPUs (DDP): ``accelerate launch --config_file examples/accelerate/multi_gpu.yaml -m
 trl_tree.bench.trainer ...`` — each process trains on its own GPU; rank 0 reports, and each mode
@@ -52,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="off,packed,dfs",
                         help="tree_mode values; +graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True, "
-                             "+buckets tree_cuda_graph_buckets=True")
+                             "+buckets tree_cuda_graph_buckets=True, +micro tree_window='micro_step' (trees per "
+                             "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
+                             "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'")
+    parser.add_argument("--per-device", type=int, default=None,
+                        help="per_device_train_batch_size (default: --group, one group per micro-step); smaller "
+                             "values cut a group over micro-steps and, under accelerate launch, over processes")
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
@@ -121,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             from peft import LoraConfig
 
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+        window = "micro_step" if "+micro" in mode else "accumulation" if "+window" in mode else "auto"
         cfg = config_cls(
-            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0], **ppo,
+            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0], tree_window=window, **ppo,
             tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps,
-            per_device_train_batch_size=args.group,
-            num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
+            per_device_train_batch_size=args.per_device or args.group,
+            gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
@@ -139,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = {"fwd_bwd_ms": round(statistics.median(times) * 1e3, 1), "steps_timed": len(times),
                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                          "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
+        for key in ("tree/rank_imbalance", "tree/rank_imbalance_stock"):  # estimated max/mean cost over ranks
+            if key in logs[-1]:
+                results[mode][key.split("/")[1]] = round(logs[-1][key], 4)
         processes = trainer.accelerator.num_processes
+        if processes > 1:  # each rank's own step time: the slowest one sets the pace
+            from accelerate.utils import gather_object
+
+            results[mode]["rank_fwd_bwd_ms"] = [round(t * 1e3, 1) for t in
+                                                gather_object([statistics.median(times)])]
         if processes > 1:  # DDP: every rank must end with the same parameters
             fingerprint = torch.stack([p.detach().float().norm() for p in trainer.model.parameters()]).sum()
             ranks = trainer.accelerator.gather(fingerprint.reshape(1))
@@ -159,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
         "algo": args.algo, **({"critic": args.critic} if args.algo == "ppo" else {}), "shape": args.workload,
         "group": args.group, "prompt": args.prompt, "completion": args.completion,
+        "per_device_train_batch_size": args.per_device or args.group, "gradient_accumulation_steps": args.accumulation,
         "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
         "results": results})
     return 0

@@ -95,23 +95,34 @@ class TreeTrainerMixin:
                 "right ones and differ from stock TRL's for padded rows (docs/trainers.md)",
                 stacklevel=3,
             )
-        if self._cuda_graphs() and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        if self._cuda_graphs() and self._sharded():
             raise ValueError(
                 f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
                 "tree_cuda_graphs=False"
             )
-        self._check_whole_groups()
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-        if two_pass and self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        if two_pass and self._sharded():
             raise ValueError(
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
                 f"gradients themselves, which is done for DDP only, not {self.accelerator.distributed_type.value}; "
                 "use tree_mode='packed' without tree_token_budget"
             )
+        if args.tree_window == "accumulation" and self._sharded():
+            raise ValueError(
+                f"{name}: tree_window='accumulation' runs the window's backward inside the engine and averages the "
+                f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; use "
+                "tree_window='micro_step' (or 'auto', which uses it there)"
+            )
+        self._check_whole_groups()
+
+    def _sharded(self) -> bool:
+        """FSDP or DeepSpeed: they own the gradients' reduction, which the engine's own backward
+        (dfs, budgets, windows, graphs) does by hand for DDP only."""
+        return self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP")
 
     def _windows_on(self) -> bool:
-        return self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
+        return self.args.tree_mode != "off" and self.args.tree_window != "micro_step" and not self._sharded()
 
     def _check_whole_groups(self) -> None:
         """Refuse batch sizes with which accumulation windows cannot hold whole prompt groups; warn
@@ -309,7 +320,7 @@ class TreeTrainerMixin:
         their own (``tree_window``, the cost model's choice, a MoE load-balancing loss, which TRL
         computes per micro-batch)."""
         args = self.args
-        if args.tree_window == "micro_step" or self._buffered_inputs is None:
+        if not self._windows_on() or self._buffered_inputs is None:
             return None, 0
         state = self._tree_window
         if state is None:
