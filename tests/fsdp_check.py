@@ -20,7 +20,8 @@ def main(out_path: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from trl_tree import PrefixForest, tree_backward
-    from trl_tree.fsdp import fsdp_modules, gathered, reduce_gradients
+    from trl_tree import tree_logprobs
+    from trl_tree.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
     from trl_tree.tiny import tiny_model
 
     dist.init_process_group("gloo")
@@ -31,7 +32,7 @@ def main(out_path: str) -> None:
     model.load_state_dict(reference.state_dict())
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # as Accelerate's fsdp_reshard_after_forward
     groups = len(fsdp_modules(model))
     counts = {"all_gather": 0, "reduce_scatter": 0}
     # FSDP2's collectives (torch.distributed.fsdp._fully_shard._fsdp_collectives call them through
@@ -78,6 +79,20 @@ def main(out_path: str) -> None:
             errors[name] = ((full - expected).norm() / expected.norm().clamp(min=1e-30)).item()
         results[run] = {"errors": errors, "gathers": gathers, "reduce_scatters": counts["reduce_scatter"],
                         "groups": groups, "sharded": type(model.lm_head.weight).__name__}
+    # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept
+    # unsharded from the forward to the LM head's scoring, FSDP2 reducing in its backward
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    with root_unsharded(model, reshard_after=False):
+        logps = tree_logprobs(model, PrefixForest.from_sequences(data[rank][0]), score_from=2)
+    torch.cat(logps).sum().backward()
+    for r in range(world):
+        torch.cat(tree_logprobs(reference, PrefixForest.from_sequences(data[r][0]), score_from=2)).sum().backward()
+    errors = {}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        expected = q.grad / world
+        errors[name] = ((p.grad.full_tensor() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+    results["one-pass"] = {"errors": errors, "sharded_after": type(model.lm_head.weight).__name__}
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()

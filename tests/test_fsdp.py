@@ -28,3 +28,5 @@ def test_fsdp2_walk_gathers_once_and_reduces_once(tmp_path):
         assert worst <= 1e-10, f"{run}: gradients differ from the unsharded average by {worst:.2e}"
         assert r["gathers"] == 2 * r["groups"], f"{run}: {r['gathers']} all-gathers for {r['groups']} groups x 2"
         assert r["reduce_scatters"] == r["groups"], f"{run}: {r['reduce_scatters']} reductions"
+    one_pass = results["one-pass"]  # FSDP2's own backward after a tree forward with the root kept whole
+    assert max(one_pass["errors"].values()) <= 1e-10 and one_pass["sharded_after"] == "DTensor"

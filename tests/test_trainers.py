@@ -268,21 +268,23 @@ def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, buckets):
 
 @pytest.mark.parametrize("wrapper", ["FSDP", "DEEPSPEED"])
 def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(wrapper):
-    """tree_cuda_graphs, tree_mode='dfs' and tree_token_budget average gradients by hand, which is
-    done for DDP; under FSDP/DeepSpeed they are refused at construction, with the field to change."""
+    """tree_cuda_graphs, tree_mode='dfs', tree_token_budget and accumulation windows synchronise
+    gradients themselves, which is done for DDP and FSDP2 (not graphs there); under FSDP1 and
+    DeepSpeed they are refused at construction, with the field to change."""
     from types import SimpleNamespace
 
     from trl_tree.tiny import tiny_model
     from trl_tree.trainers.mixin import TreeTrainerMixin
 
-    def check(**fields):
+    def check(fsdp2=False, **fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
                                   "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", "tree_window": "auto",
                                   "tree_shuffle": "groups", "per_device_train_batch_size": 4,
                                   "gradient_accumulation_steps": 1, "steps_per_generation": 1, **fields})
         fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
         fake.args, fake.model, fake.num_generations = args, tiny_model(), 4
-        fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper), num_processes=2)
+        fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper), num_processes=2,
+                                           is_fsdp2=fsdp2)
         fake._check_tree_support()
         return fake
 
@@ -295,3 +297,8 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     with pytest.raises(ValueError, match=f"tree_window='accumulation' .* not {wrapper}"):
         check(tree_window="accumulation")
     assert not check()._windows_on()  # 'auto' runs micro-step trees there
+    if wrapper == "FSDP":  # FSDP2: the engine's backward runs inside trl_tree.fsdp.gathered
+        for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}, {"tree_window": "accumulation"}):
+            assert check(fsdp2=True, **fields)._windows_on() == (fields.get("tree_window") != "micro_step")
+        with pytest.raises(ValueError, match="tree_cuda_graphs .* not FSDP"):
+            check(fsdp2=True, tree_cuda_graphs=True)

@@ -88,3 +88,26 @@ def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     finally:
         for m, settings in zip(modules, saved):
             _apply(m, *settings)
+
+
+@contextmanager
+def root_unsharded(model: torch.nn.Module, reshard_after: bool):
+    """The outermost FSDP2 module's own parameters (embeddings, final norm, LM head) kept unsharded
+    from before the engine's forward until after its scoring: the engine reads the LM head's weight
+    itself, after the model's forward, where FSDP2 (``reshard_after_forward``) would have resharded
+    it. ``reshard_after``: reshard on leaving (a forward without a graph); else the backward's
+    post-backward hook reshards, as after FSDP2's own forward."""
+    modules = fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    root = modules[0]
+    saved = _settings(root)
+    _apply(root, False, saved[1], saved[2])
+    root.unshard()
+    try:
+        yield
+    finally:
+        _apply(root, *saved)
+        if reshard_after:
+            root.reshard()

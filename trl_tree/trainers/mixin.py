@@ -27,6 +27,7 @@ import torch
 
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
+from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..forest import PrefixForest
 from ..attention.support import attention_refusal
 from ..model_parts import active_dropout, model_parts, trainable_parameters
@@ -67,6 +68,7 @@ class TreeTrainerMixin:
         self._tree_layout_cache = None
         self._tree_window: _WindowState | None = None
         self._tree_micro_in_update = 0  # micro-steps run since the last optimizer step
+        self._tree_fsdp_pending = False  # FSDP2: gradients of the engine's backward await their reduction
         self._check_tree_support()
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
@@ -102,17 +104,18 @@ class TreeTrainerMixin:
                 "tree_cuda_graphs=False"
             )
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-        if two_pass and self._sharded():
+        unsupported = self._sharded() and not self._fsdp2()
+        if two_pass and unsupported:
             raise ValueError(
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
-                f"gradients themselves, which is done for DDP only, not {self.accelerator.distributed_type.value}; "
-                "use tree_mode='packed' without tree_token_budget"
+                f"gradients themselves, which is done for DDP and FSDP2, not {self._wrapper_name()}; use "
+                "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)"
             )
-        if args.tree_window == "accumulation" and self._sharded():
+        if args.tree_window == "accumulation" and unsupported:
             raise ValueError(
-                f"{name}: tree_window='accumulation' runs the window's backward inside the engine and averages the "
-                f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; use "
-                "tree_window='micro_step' (or 'auto', which uses it there)"
+                f"{name}: tree_window='accumulation' runs the window's backward inside the engine and synchronises "
+                f"the gradients itself, which is done for DDP and FSDP2, not {self._wrapper_name()}; use "
+                "tree_window='micro_step' (or 'auto', which uses it there), or FSDP2 (fsdp_version: 2)"
             )
         self._check_whole_groups()
 
@@ -121,8 +124,18 @@ class TreeTrainerMixin:
         (dfs, budgets, windows, graphs) does by hand for DDP only."""
         return self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP")
 
+    def _fsdp2(self) -> bool:
+        """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.fsdp``
+        (parameters gathered once per walk, one reduce per optimizer step)."""
+        return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
+
+    def _wrapper_name(self) -> str:
+        kind = self.accelerator.distributed_type.value
+        return "FSDP1 (fsdp_version: 1)" if kind == "FSDP" else kind
+
     def _windows_on(self) -> bool:
-        return self.args.tree_mode != "off" and self.args.tree_window != "micro_step" and not self._sharded()
+        return (self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
+                and (not self._sharded() or self._fsdp2()))
 
     def _check_whole_groups(self) -> None:
         """Refuse batch sizes with which accumulation windows cannot hold whole prompt groups; warn
@@ -220,6 +233,9 @@ class TreeTrainerMixin:
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._close_window(model)
+        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
+            self._tree_fsdp_pending = False
+            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
         self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False
@@ -240,7 +256,8 @@ class TreeTrainerMixin:
         Trainer's own handling), so nothing is raised there."""
         if getattr(self.accelerator, "scaler", None) is not None:
             return
-        grads = [p.grad for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+                 for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
         norms = torch._foreach_norm(grads) if grads else []
         finite_grads = bool(torch.stack(norms).isfinite().all()) if norms else True
         value = float(loss.detach())
@@ -513,7 +530,9 @@ class TreeTrainerMixin:
         kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
         if value_head is not None:
             kwargs["cuda_graphs"] = False  # the graphs replay the LM head only
-        with torch.no_grad() if no_graph else contextlib.nullcontext():
+        keep_root = root_unsharded(model, reshard_after=no_graph or not torch.is_grad_enabled()) if self._fsdp2() \
+            else contextlib.nullcontext()
+        with torch.no_grad() if no_graph else contextlib.nullcontext(), keep_root:
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
                                     score_from=rows.subset(call)[1], router=router, value_head=value_head, **kwargs)
@@ -547,7 +566,7 @@ class TreeTrainerMixin:
                 router = None  # the loss does not depend on it
             else:
                 router.set_backward(grad_aux)
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 where, term_index = rows.call_terms(call)
                 weights = grad[where].float()  # flat, in the call's (row, token) order
@@ -570,7 +589,12 @@ class TreeTrainerMixin:
 
     def _sync_gradients(self, model) -> None:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
-        (``grad_sync.average_gradients``: bucket by bucket, not one flat copy of every gradient)."""
+        (``grad_sync.average_gradients``: bucket by bucket, not one flat copy of every gradient).
+        Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.fsdp.gathered``);
+        their one reduction runs in ``training_step``, outside autograd's backward."""
+        if self._fsdp2():
+            self._tree_fsdp_pending = True
+            return
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
         average_gradients(trainable_parameters(model), self.accelerator.num_processes)
