@@ -276,15 +276,16 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     from trl_tree.tiny import tiny_model
     from trl_tree.trainers.mixin import TreeTrainerMixin
 
-    def check(fsdp2=False, **fields):
+    def check(fsdp2=False, zero=2, **fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
                                   "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", "tree_window": "auto",
                                   "tree_shuffle": "groups", "per_device_train_batch_size": 4,
                                   "gradient_accumulation_steps": 1, "steps_per_generation": 1, **fields})
         fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
         fake.args, fake.model, fake.num_generations = args, tiny_model(), 4
+        plugin = SimpleNamespace(zero_stage=zero) if wrapper == "DEEPSPEED" else None
         fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper), num_processes=2,
-                                           is_fsdp2=fsdp2)
+                                           is_fsdp2=fsdp2, state=SimpleNamespace(deepspeed_plugin=plugin))
         fake._check_tree_support()
         return fake
 
@@ -297,6 +298,9 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     with pytest.raises(ValueError, match=f"tree_window='accumulation' .* not {wrapper}"):
         check(tree_window="accumulation")
     assert not check()._windows_on()  # 'auto' runs micro-step trees there
+    if wrapper == "DEEPSPEED":  # ZeRO-3's partitioned LM head cannot be scored from its weight
+        with pytest.raises(ValueError, match="ZeRO-3 .* FSDP2"):
+            check(zero=3)
     if wrapper == "FSDP":  # FSDP2: the engine's backward runs inside trl_tree.fsdp.gathered
         for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}, {"tree_window": "accumulation"}):
             assert check(fsdp2=True, **fields)._windows_on() == (fields.get("tree_window") != "micro_step")

@@ -103,6 +103,14 @@ class TreeTrainerMixin:
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
                 "tree_cuda_graphs=False"
             )
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) if self._sharded() else None
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            raise ValueError(
+                f"{name}: DeepSpeed ZeRO-3 keeps only a partition of each parameter outside its module's forward, and "
+                "the tree scores the LM head from its weight after the model's forward (TRL's fused head), where "
+                "ZeRO-3 would hand it an empty partition (measured: a non-finite loss). Use FSDP2 "
+                "(examples/accelerate/fsdp2.yaml: every tree mode) or ZeRO-2, or tree_mode='off'"
+            )
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         unsupported = self._sharded() and not self._fsdp2()
         if two_pass and unsupported:
