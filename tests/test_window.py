@@ -132,3 +132,24 @@ def test_batch_sizes_that_split_groups_between_optimizer_steps_are_refused(check
             max_steps=1)
     with pytest.raises(ValueError, match="tree_window must be one of"):
         TreeGRPOConfig(output_dir="/tmp/unused", tree_window="rank")
+
+
+def test_accelerate_configs_are_valid_and_documented():
+    """Every launcher config parses, names its strategy and process count, and the multi-GPU page
+    says what the tree runs under it."""
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = os.path.join(root, "examples", "accelerate")
+    page = open(os.path.join(root, "docs", "multi_gpu.md")).read()
+    kinds = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            config = yaml.safe_load(f)
+        assert config["num_processes"] >= 1 and config["distributed_type"], name
+        assert f"examples/accelerate/{name}" in page, f"{name} is not on docs/multi_gpu.md"
+        kinds[name] = (config["distributed_type"], config.get("fsdp_config", {}).get("fsdp_version"),
+                       config.get("deepspeed_config", {}).get("zero_stage"))
+    assert kinds["fsdp2.yaml"] == ("FSDP", 2, None)
+    assert kinds["deepspeed_zero2.yaml"][2] == 2 and kinds["deepspeed_zero3.yaml"][2] == 3
+    assert kinds["single_gpu.yaml"][0] == "NO" and kinds["multi_gpu.yaml"][0] == "MULTI_GPU"
