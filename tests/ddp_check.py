@@ -65,6 +65,7 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
             output_dir=os.path.join(out_dir, run), tree_mode=mode, critic=kind, kl_coef=0.1, num_iterations=2,
             per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=0.05,
             optim="sgd", max_steps=2, gradient_accumulation_steps=2, tree_shuffle="rows", use_cpu=True, bf16=False,
+            tree_window="micro_step",  # the per-micro-step paths; main_windows covers the windows
             report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
             model_init_kwargs={"dtype": torch.float64},
         )
