@@ -1,28 +1,37 @@
 """trl_tree: RL post-training with TRL that never computes a shared token twice.
 
 The sequences of a micro-batch go into a prefix forest; the policy's forward and backward run over
-its unique tokens with tree attention, exactly (see docs/design.md).
+its unique tokens with tree attention, exactly (docs/architecture.md; the trainers:
+docs/trainers.md).
+
+Every name below is loaded on first use: ``import trl_tree`` (and ``trl-tree --help``) costs no
+torch, transformers or TRL import until something is asked for.
 """
 
-from .compile import compile_layers, uncompile_layers
-from .engine import tree_backward, tree_logprobs, tree_value_backward, tree_values
-from .forest import PrefixForest
+import importlib
+
+#: public name -> the module that defines it
+_LAZY = {
+    "compile_layers": ".compile", "uncompile_layers": ".compile",
+    "tree_backward": ".engine", "tree_logprobs": ".engine", "tree_value_backward": ".engine", "tree_values": ".engine",
+    "PrefixForest": ".forest",
+    **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",
+                                      "TreeRLOOConfig", "TreeRLOOTrainer")},
+}
 
 
 def __getattr__(name: str):
-    """The trainers import TRL's trainer stack (slow); load them on first use."""
-    if name in _TRAINERS:
-        from . import trainers
-
-        return getattr(trainers, name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_TRAINERS = ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer", "TreeRLOOConfig",
-             "TreeRLOOTrainer")
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
 
 __version__ = "0.1.0"
 
-__all__ = ["PrefixForest", "compile_layers", "tree_backward", "tree_logprobs", "tree_value_backward", "tree_values",
-           "uncompile_layers", "__version__",
-           *_TRAINERS]
+__all__ = [*_LAZY, "__version__"]

@@ -2,6 +2,7 @@
 
     python -m trl_tree            # or: trl-tree-demo
     python -m trl_tree --algo ppo # the same with TreePPOTrainer (a critic of its own), against its untreed step
+    trl-tree demo --algo rloo     # TreeRLOOTrainer against trl.RLOOTrainer
 
 Builds a tiny Qwen2-shaped policy in code (saved to a temporary directory; nothing downloaded),
 trains it with ``TreeGRPOTrainer`` on a toy task whose reward (the share of the letter 'a' in the
@@ -30,11 +31,13 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     from transformers.utils import logging as hf_logging
 
     from .toy import reward_letter_a, toy_prompts
-    from .trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
+    from .trainers import (TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, TreeRLOOConfig,
+                           TreeRLOOTrainer)
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    config_cls, trainer_cls = (TreePPOConfig, TreePPOTrainer) if algo == "ppo" else (TreeGRPOConfig, TreeGRPOTrainer)
+    config_cls, trainer_cls = {"ppo": (TreePPOConfig, TreePPOTrainer), "rloo": (TreeRLOOConfig, TreeRLOOTrainer)}.get(
+        algo, (TreeGRPOConfig, TreeGRPOTrainer))
     ppo = dict(critic="separate", kl_coef=0.01, vf_coef=0.5) if algo == "ppo" else {}
     args = config_cls(
         output_dir=out_dir, tree_mode=mode, max_steps=steps, per_device_train_batch_size=2 * num_generations,
@@ -54,9 +57,10 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="tree GRPO (or PPO) vs the untreed step on a tiny built-in model (CPU)")
-    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo"),
-                        help="grpo: TreeGRPOTrainer against trl.GRPOTrainer; ppo: TreePPOTrainer (policy and a "
-                        "separate critic over the tree) against its tree_mode='off' step")
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "rloo", "ppo"),
+                        help="grpo: TreeGRPOTrainer against trl.GRPOTrainer; rloo: TreeRLOOTrainer against "
+                        "trl.RLOOTrainer; ppo: TreePPOTrainer (policy and a separate critic over the tree) against its "
+                        "tree_mode='off' step")
     parser.add_argument("--steps", type=int, default=12, help="tree GRPO steps")
     parser.add_argument("--stock-steps", type=int, default=4, help="stock GRPO steps, for the timing")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs"))
@@ -71,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_tiny_policy(os.path.join(tmp, "policy"))
         name = args.algo.upper()
-        what = "policy" if args.algo == "grpo" else "policy+critic"
-        stock = "stock GRPO (tree_mode='off', i.e. trl.GRPOTrainer)" if args.algo == "grpo" else \
-            "untreed PPO (tree_mode='off': the same trainer on the padded batch)"
+        what = "policy+critic" if args.algo == "ppo" else "policy"
+        stock = {"grpo": "stock GRPO (tree_mode='off', i.e. trl.GRPOTrainer)",
+                 "rloo": "stock RLOO (tree_mode='off', i.e. trl.RLOOTrainer)"}.get(
+            args.algo, "untreed PPO (tree_mode='off': the same trainer on the padded batch)")
         print(f"trl_tree demo: {name} on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}\n")
         print(f" step  reward   T/U   {what} fwd+bwd")
         tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"), algo=args.algo)
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nreward {tree_logs[0]['reward']:.3f} -> {tree_logs[-1]['reward']:.3f} over {len(tree_logs)} steps; "
         f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; {what} forward+backward per step: "
-        f"{'stock' if args.algo == 'grpo' else 'untreed'} {name} {t_stock * 1e3:.0f} ms, tree {name} "
+        f"{'untreed' if args.algo == 'ppo' else 'stock'} {name} {t_stock * 1e3:.0f} ms, tree {name} "
         f"{t_tree * 1e3:.0f} ms -> {t_stock / t_tree:.2f}x"
     )
     return 0

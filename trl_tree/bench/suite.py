@@ -244,22 +244,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.report) as f:
             write_reports(json.load(f), args.report)
         return 0
+    from tqdm.auto import tqdm
+
     results: dict[str, list] = {}
     tables: list[str] | None = [] if args.profile else None
-    for size in args.sizes.split(","):
+    sizes, wanted = args.sizes.split(","), set(args.workloads.split(","))
+    bar = tqdm(total=len(sizes) * len(wanted), desc="suite", unit="workload")
+    for size in sizes:
         model = bench_model(size, args.kernels)
-        wanted = set(args.workloads.split(","))
         results[size] = []
         for w in suite_workloads(model.config.vocab_size):
             if w.name in wanted:
+                bar.set_postfix_str(f"{size} {w.name}")
                 results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4"),
                                                   profile_tables=tables))
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))
                 dump(args.out, {"environment": environment(args.kernels), "results": results})  # keep partial results
+                bar.update()
         del model
         torch.cuda.empty_cache()
+    bar.close()
     payload = {"environment": environment(args.kernels), "results": results}
     dump(args.out, payload)
     write_reports(payload, args.out)

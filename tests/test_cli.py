@@ -1,0 +1,125 @@
+"""``trl-tree``: the subcommands' help, ``inspect`` on every input format against forests built
+here, its errors, and ``demo --algo rloo``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from trl_tree.cli import main
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    """Token-id rows (4 prompts x 8 completions) as JSONL, Parquet and a datasets directory."""
+    folder = tmp_path_factory.mktemp("rollouts")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(4):
+        prompt = [rng.randint(5, 90) for _ in range(rng.randint(50, 120))]
+        rows += [{"prompt_ids": prompt, "completion_ids": [rng.randint(5, 90) for _ in range(rng.randint(5, 30))]}
+                 for _ in range(8)]
+    (folder / "ids.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    pq.write_table(pa.Table.from_pylist(rows), folder / "ids.parquet")
+    Dataset.from_list(rows).save_to_disk(str(folder / "ds"))
+    return folder, rows
+
+
+def report(capsys, *argv) -> dict:
+    assert main(["inspect", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_help_answers_without_importing_torch():
+    code = "import sys; from trl_tree.cli import main; main(['--help']); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr
+    for sub in ("demo", "inspect", "bench", "check"):
+        assert sub in done.stdout
+    assert main([]) == 2  # no subcommand: the help, and a usage error
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "--help"])
+    assert e.value.code == 0
+
+
+def test_inspect_counts_what_the_forest_holds(rollouts, capsys):
+    from trl_tree import PrefixForest
+
+    folder, rows = rollouts
+    seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
+    forest = PrefixForest.from_sequences(seqs)
+    whole = report(capsys, str(folder / "ids.jsonl"))
+    assert (whole["total_tokens"], whole["unique_tokens"]) == (forest.num_tokens, forest.num_unique_tokens)
+    assert whole["rows"] == 32 and whole["forests"] == 1 and whole["branching_histogram"] == {"8": 4}
+    assert 1.0 < whole["flop_ratio"] < whole["dedup_ratio"] * 1.05  # the ceiling follows T/U
+    assert whole["packed_bytes"] < whole["stock_bytes"]
+    for source in ("ids.parquet", "ds"):  # the same rows from Parquet and a datasets directory
+        assert report(capsys, str(folder / source)) == whole
+    micro = report(capsys, str(folder / "ids.jsonl"), "--rows-per-forest", "4", "--model", "7b")
+    assert micro["forests"] == 8 and micro["unique_tokens"] > whole["unique_tokens"]
+
+
+def test_inspect_reads_text_and_chats_with_a_tokenizer(tmp_path, capsys):
+    from trl_tree.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(tmp_path / "tok")
+    texts = [{"prompt": "count the a letters in banana banana", "completion": f" {'a' * k} done"} for k in range(1, 5)]
+    (tmp_path / "text.jsonl").write_text("\n".join(json.dumps(r) for r in texts))
+    out = report(capsys, str(tmp_path / "text.jsonl"), "--tokenizer", str(tmp_path / "tok"))
+    assert out["rows"] == 4 and out["dedup_ratio"] > 1.5  # the prompt is shared
+    chats = [{"messages": [{"role": "system", "content": "you count letters " * 5},
+                           {"role": "user", "content": f"question {k}"}]} for k in range(3)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in chats))
+    out = report(capsys, str(tmp_path / "chat.jsonl"), "--tokenizer", str(tmp_path / "tok"))
+    assert out["rows"] == 3 and out["dedup_ratio"] > 1.5  # the system prompt is shared
+
+
+def test_inspect_draws_the_forest(rollouts, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder, _ = rollouts
+    assert main(["inspect", str(folder / "ids.jsonl"), "--png", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert "T/U" in capsys.readouterr().out
+
+
+def test_inspect_errors_are_plain(rollouts, tmp_path, capsys):
+    folder, _ = rollouts
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x"}))
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}))
+    (tmp_path / "broken.jsonl").write_text("{not json")
+    cases = [
+        ([str(tmp_path / "missing.jsonl")], "no such file"),
+        ([str(tmp_path / "bad.jsonl")], "no known columns in ['question']"),
+        ([str(tmp_path / "broken.jsonl")], "not valid JSON"),
+        ([str(tmp_path / "text.jsonl")], "give --tokenizer"),
+        ([str(tmp_path / "text.jsonl"), "--tokenizer", str(tmp_path / "nowhere")], "no directory at"),
+        ([str(folder / "ids.jsonl"), "--model", "13b"], "neither 0.5b, 1.5b, 7b nor a config.json"),
+        ([str(folder / "ids.jsonl"), "--rows-per-forest", "0"], "at least 1"),
+    ]
+    for argv, message in cases:
+        assert main(["inspect", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_demo_runs_rloo(capsys):
+    assert main(["demo", "--algo", "rloo", "--steps", "1", "--stock-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stock RLOO" in out and "tree RLOO" in out
+
+
+def test_console_script_is_declared():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "pyproject.toml")).read()
+    assert 'trl-tree = "trl_tree.cli:main"' in text

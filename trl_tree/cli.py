@@ -1,0 +1,114 @@
+"""``trl-tree``: one command for what a user runs around training with the tree.
+
+    trl-tree demo [--algo grpo|rloo|ppo]   the README's main job: a tiny model on the CPU, tree vs stock
+    trl-tree inspect FILE [--tokenizer DIR] [--model 1.5b|config.json] [--rows-per-forest N] [--png OUT]
+    trl-tree bench [suite options]          the GPU benchmark suite (W1–W5 x model sizes)
+    trl-tree check [options]                the GPU exactness check of every attention path
+
+Nothing heavy (torch, TRL) is imported before a subcommand runs, so ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = {
+    "demo": "train a tiny built-in model on the CPU with the tree and with stock TRL, and print both step times",
+    "inspect": "read your rollouts (token ids, texts or chats) and predict the tree's T/U, speed-up ceiling and "
+               "memory for a model, before training",
+    "bench": "run the GPU benchmark suite (tree vs TRL on the suite's workloads; needs a GPU)",
+    "check": "check the tree's log-probs and gradients against the untreed model on the GPU, every attention path",
+}
+
+
+def _inspect(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trl-tree inspect", description=SUBCOMMANDS["inspect"] + ".", epilog=(
+        "Columns read (the first set present): prompt_ids+completion_ids, input_ids (token ids); "
+        "prompt+completion, messages (chat), text (with --tokenizer). Rows sharing a prompt share its nodes."))
+    parser.add_argument("file", help="a .jsonl/.json/.parquet file or a datasets directory (save_to_disk)")
+    parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory, for text or chat columns")
+    parser.add_argument("--model", default="1.5b",
+                        help="the model the prediction is for: 0.5b, 1.5b, 7b (Qwen2.5 shapes) or a config.json path")
+    parser.add_argument("--rows-per-forest", type=int, default=None,
+                        help="rows per forest, like a micro-batch (default: all rows in one forest)")
+    parser.add_argument("--limit", type=int, default=None, help="read only the first N rows")
+    parser.add_argument("--png", default=None, help="write a picture of the first forest's shape here")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+
+    import dataclasses
+    import json
+
+    from .inspection import InspectError, draw_forest, inspect, load_rows, load_tokenizer, sequences_from_rows
+
+    try:
+        config, name = _model_config(args.model)
+        rows = load_rows(args.file)[: args.limit]
+        seqs, score_from = sequences_from_rows(rows, load_tokenizer(args.tokenizer))
+        report, forests = inspect(seqs, score_from, config, name, args.rows_per_forest, progress=not args.json)
+        if args.png:
+            draw_forest(forests[0], args.png)
+    except InspectError as e:
+        print(f"trl-tree inspect: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(report), "dedup_ratio": report.dedup_ratio}, indent=1))
+    else:
+        print("\n".join(report.lines()))
+        if args.png:
+            print(f"forest picture: {args.png}")
+    return 0
+
+
+def _model_config(spec: str):
+    """A model config from a size name or a config.json (no hub access)."""
+    import os
+
+    from .inspection import InspectError
+
+    if spec.lower() in ("0.5b", "1.5b", "7b"):
+        from .tiny import shaped_config
+
+        return shaped_config(spec.lower()), f"a Qwen2.5-{spec.upper()}-shaped model"
+    if not os.path.isfile(spec):
+        raise InspectError(f"--model: {spec!r} is neither 0.5b, 1.5b, 7b nor a config.json file")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec).get_text_config(), os.path.basename(os.path.dirname(spec)) or spec
+    except Exception as e:  # noqa: BLE001
+        raise InspectError(f"--model: cannot read {spec} as a transformers config ({e})") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="trl-tree", description="Prefix-tree training for TRL: tools around the trainers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommands:\n" + "\n".join(f"  {k:8s} {v}" for k, v in SUBCOMMANDS.items())
+        + "\n\n'trl-tree SUBCOMMAND --help' explains each.",
+    )
+    parser.add_argument("subcommand", choices=list(SUBCOMMANDS), help="what to run")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args, rest = parser.parse_known_args(argv[:1])
+    rest = argv[1:]
+    if args.subcommand == "demo":
+        from .demo import main as demo
+
+        return demo(rest)
+    if args.subcommand == "inspect":
+        return _inspect(rest)
+    if args.subcommand == "bench":
+        from .bench.suite import main as suite
+
+        return suite(rest)
+    from .bench.check_gpu import main as check
+
+    return check(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
