@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
-
-import torch
-from datasets import Dataset
-from peft import LoraConfig
-
-from trl_tree import TreePPOConfig, TreePPOTrainer
-from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
 
 
 def main() -> None:
@@ -29,6 +23,21 @@ def main() -> None:
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="ppo_tree_lora_")
+    try:
+        _train(args, workdir)
+    finally:  # the tiny policy and the trainer's output folder, unless --output-dir was given
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _train(args, workdir: str) -> None:
+    # imported after the arguments are parsed, so that --help answers at once
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_tree import TreePPOConfig, TreePPOTrainer
+    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreePPOConfig(
         output_dir=os.path.join(workdir, "out"),

@@ -19,8 +19,7 @@ def main(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trl_tree import PrefixForest, tree_backward
-    from trl_tree import tree_logprobs
+    from trl_tree import PrefixForest, tree_backward, tree_logprobs
     from trl_tree.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
     from trl_tree.tiny import tiny_model
 

@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_check import COMPLETION, fixed_rollout, reward_chars  # noqa: E402
-from trainer_harness import PROMPTS, save_tiny_checkpoint  # noqa: E402
+from ddp_check import COMPLETION, fixed_rollout, reward_chars
+from trainer_harness import PROMPTS, save_tiny_checkpoint
 
 RUNS = {  # name: tree fields
     "off": dict(tree_mode="off"),

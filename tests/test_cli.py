@@ -121,5 +121,21 @@ def test_demo_runs_rloo(capsys):
 
 def test_console_script_is_declared():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(root, "pyproject.toml")).read()
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        text = f.read()
     assert 'trl-tree = "trl_tree.cli:main"' in text
+
+
+def test_tree_configs_train_on_the_cpu_without_being_told():
+    """No GPU here: TRL's bf16 default would make transformers refuse the config; the tree configs
+    take use_cpu=True and fp32, and keep an explicit bf16=True."""
+    import torch
+
+    from trl_tree import TreeGRPOConfig, TreePPOConfig, TreeRLOOConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for cls in (TreeGRPOConfig, TreeRLOOConfig, TreePPOConfig):
+        args = cls(output_dir="/tmp/unused", report_to="none")
+        assert args.use_cpu and not args.bf16, cls.__name__
+    assert TreeGRPOConfig(output_dir="/tmp/unused", report_to="none", bf16=True).bf16

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -33,10 +34,23 @@ def test_demo_runs_ppo(capsys):
                                          ("grpo_tree_lora.py", ["--steps", "1"]),
                                          ("ppo_tree.py", ["--steps", "1", "--critic", "shared", "--mode", "dfs"]),
                                          ("ppo_tree_lora.py", ["--steps", "1"])])
-def test_grpo_examples_run(script, argv, monkeypatch, capsys):
+def test_grpo_examples_run(script, argv, monkeypatch, capsys, tmp_path):
+    import tempfile
+
     monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     runpy.run_path(f"examples/{script}", run_name="__main__")
     assert "reward" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
+
+
+@pytest.mark.parametrize("script", ["grpo_tree.py", "grpo_tree_lora.py", "ppo_tree.py", "ppo_tree_lora.py"])
+def test_example_help_imports_nothing_heavy(script):
+    code = (f"import runpy, sys; sys.argv = ['{script}', '--help']\n"
+            f"try:\n    runpy.run_path('examples/{script}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('heavy' if 'torch' in sys.modules else 'light')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().endswith("light") and "usage:" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("argv", [[], ["--mode", "dfs", "--chunk-size", "7"]])

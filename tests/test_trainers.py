@@ -158,6 +158,8 @@ def _prompt_only_ratio(trainer) -> float:
 def test_refusals(checkpoint):
     with pytest.raises(ValueError, match="tree_mode must be one of"):
         TreeGRPOConfig(output_dir="/tmp/unused", tree_mode="tree")
+    with pytest.raises(ValueError, match="trainer cannot, because its backward path is fixed per mode"):
+        TreeGRPOConfig(output_dir="/tmp/unused", tree_mode="auto")
     with pytest.raises(ValueError, match="tree_token_budget must be a positive int"):
         TreeGRPOConfig(output_dir="/tmp/unused", tree_token_budget=0)
     with pytest.raises(ValueError, match="tree_memory_budget must be a non-negative int"):

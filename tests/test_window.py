@@ -13,15 +13,15 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from trl_tree import PrefixForest, TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
-from trl_tree.cost_model import StepCost  # noqa: E402
-from trl_tree.tiny import tiny_config  # noqa: E402
-from trl_tree.trainers.exchange import RankExchange  # noqa: E402
-from trl_tree.trainers.grouping import plan_windows  # noqa: E402
-from trl_tree.trainers.rows import PaddedRows  # noqa: E402
-from trl_tree.trainers.window import TreeWindow, group_step_cost  # noqa: E402
+from trainer_harness import run, save_tiny_checkpoint
 
-from trainer_harness import run, save_tiny_checkpoint  # noqa: E402
+from trl_tree import PrefixForest, TreeGRPOConfig, TreeGRPOTrainer
+from trl_tree.cost_model import StepCost
+from trl_tree.tiny import tiny_config
+from trl_tree.trainers.exchange import RankExchange
+from trl_tree.trainers.grouping import plan_windows
+from trl_tree.trainers.rows import PaddedRows
+from trl_tree.trainers.window import TreeWindow, group_step_cost
 
 CONFIG = tiny_config("qwen2")
 
@@ -98,7 +98,7 @@ def test_one_process_window_owns_everything():
     rows = rows_of([([1, 2, 3], [[4, 5], [4, 6]]), ([7, 8], [[9]])])
     window = windows([[rows, rows]])[0]
     assert window.owned == list(range(6)) and window.home == window.owned and window.imbalance == 1.0
-    owned, groups = window.layout(torch.device("cpu"))
+    _, groups = window.layout(torch.device("cpu"))
     assert len(groups) == 1 and sum(f.num_tokens for f in groups[0][1]) == 2 * sum(len(s) for s in rows.sequences)
     assert sum(f.num_unique_tokens for f in groups[0][1]) == 3 + 2 + 1 + 2 + 1  # both micro-steps in one forest
 
@@ -141,7 +141,8 @@ def test_accelerate_configs_are_valid_and_documented():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     folder = os.path.join(root, "examples", "accelerate")
-    page = open(os.path.join(root, "docs", "multi_gpu.md")).read()
+    with open(os.path.join(root, "docs", "multi_gpu.md")) as f:
+        page = f.read()
     kinds = {}
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name)) as f:

@@ -77,7 +77,7 @@ def _model_config(spec: str):
 
     try:
         return AutoConfig.from_pretrained(spec).get_text_config(), os.path.basename(os.path.dirname(spec)) or spec
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise InspectError(f"--model: cannot read {spec} as a transformers config ({e})") from e
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    args, rest = parser.parse_known_args(argv[:1])
+    args = parser.parse_args(argv[:1])  # the subcommand; the rest is its own
     rest = argv[1:]
     if args.subcommand == "demo":
         from .demo import main as demo

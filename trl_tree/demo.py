@@ -64,13 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="tree GRPO steps")
     parser.add_argument("--stock-steps", type=int, default=4, help="stock GRPO steps, for the timing")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs"))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: the machine's cores, at most 8). Fixed, so that the "
+                        "two runs are timed alike; the times printed are medians with their range over the steps")
     args = parser.parse_args(argv)
 
     import warnings
 
+    import torch
+
     from .toy import build_tiny_policy
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    threads = args.threads or min(os.cpu_count() or 1, 8)
+    torch.set_num_threads(threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_tiny_policy(os.path.join(tmp, "policy"))
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         stock = {"grpo": "stock GRPO (tree_mode='off', i.e. trl.GRPOTrainer)",
                  "rloo": "stock RLOO (tree_mode='off', i.e. trl.RLOOTrainer)"}.get(
             args.algo, "untreed PPO (tree_mode='off': the same trainer on the padded batch)")
-        print(f"trl_tree demo: {name} on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}\n")
+        print(f"trl_tree demo: {name} on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}, "
+              f"{threads} CPU thread(s)\n")
         print(f" step  reward   T/U   {what} fwd+bwd")
         tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"), algo=args.algo)
         for i, h in enumerate(tree_logs, 1):
@@ -89,16 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         for i, h in enumerate(stock_logs, 1):
             print(f"{i:5d}  {h['reward']:6.3f}     -   {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
 
-    def per_step(logs):  # the first step warms up allocators and kernels
-        times = [h["tree/fwd_bwd_time"] for h in logs]
-        return statistics.median(times[1:] if len(times) > 1 else times)
+    def per_step(logs):
+        """Median and range of the steps' times; the first step warms up allocators and kernels."""
+        times = [h["tree/fwd_bwd_time"] * 1e3 for h in logs]
+        times = times[1:] if len(times) > 1 else times
+        return statistics.median(times), min(times), max(times), len(times)
 
-    t_tree, t_stock = per_step(tree_logs), per_step(stock_logs)
+    (t_tree, lo_tree, hi_tree, n_tree), (t_stock, lo_stock, hi_stock, n_stock) = per_step(tree_logs), per_step(stock_logs)
     print(
         f"\nreward {tree_logs[0]['reward']:.3f} -> {tree_logs[-1]['reward']:.3f} over {len(tree_logs)} steps; "
-        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; {what} forward+backward per step: "
-        f"{'untreed' if args.algo == 'ppo' else 'stock'} {name} {t_stock * 1e3:.0f} ms, tree {name} "
-        f"{t_tree * 1e3:.0f} ms -> {t_stock / t_tree:.2f}x"
+        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; {what} forward+backward per step "
+        f"(median, range over steps): {'untreed' if args.algo == 'ppo' else 'stock'} {name} {t_stock:.0f} ms "
+        f"({lo_stock:.0f}-{hi_stock:.0f}, {n_stock} steps), tree {name} {t_tree:.0f} ms ({lo_tree:.0f}-{hi_tree:.0f}, "
+        f"{n_tree} steps) -> {t_stock / t_tree:.2f}x"
     )
     return 0
 

@@ -43,7 +43,7 @@ def load_rows(path: str) -> list[dict]:
             raise InspectError("reading a datasets directory needs the 'datasets' package") from e
         try:
             data = load_from_disk(path)
-        except Exception as e:  # noqa: BLE001 - datasets raises several kinds
+        except Exception as e:
             raise InspectError(f"{path} is not a dataset saved with save_to_disk ({e})") from e
         if hasattr(data, "keys"):  # a DatasetDict: its first split
             split = next(iter(data.keys()))
@@ -55,7 +55,7 @@ def load_rows(path: str) -> list[dict]:
 
         try:
             return pq.read_table(path).to_pylist()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise InspectError(f"cannot read {path} as Parquet ({e})") from e
     if lower.endswith((".jsonl", ".json")):
         with open(path) as f:
@@ -83,7 +83,7 @@ def load_tokenizer(path: str | None):
                            "nothing is downloaded)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
+    except Exception as e:
         raise InspectError(f"cannot load a tokenizer from {path!r} ({type(e).__name__}: {e}); give a local "
                            "directory holding tokenizer files") from e
 
@@ -122,7 +122,7 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
                 prompt, completion = ids[:1], ids[1:]
         except InspectError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise InspectError(f"row {i}: cannot read {'+'.join(chosen)} ({type(e).__name__}: {e})") from e
         if not prompt or not completion:
             raise InspectError(f"row {i} has {'no prompt' if not prompt else 'no completion'} token")

@@ -7,6 +7,7 @@ apart; each config is ``(TRL config, TreeArguments)`` and accepts every argument
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
@@ -114,7 +115,29 @@ class TreeArguments:
                   "GRPO on an H200, 0.5B 193-251 -> 153-162 ms per step; at 1.5B the padding costs more (290 -> 323 ms)."},
     )
 
+    def _default_to_cpu(self) -> None:
+        """On a machine with no accelerator, train on the CPU in fp32 unless told otherwise. TRL's
+        configs default to bf16, which transformers refuses there until ``use_cpu=True`` is set;
+        only an explicit ``bf16=True`` keeps CPU autocast."""
+        import torch
+
+        if self.use_cpu or torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) \
+                or torch.backends.mps.is_available():
+            return
+        self.use_cpu = True
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = False
+        logging.getLogger(__name__).info("no GPU found: use_cpu=True, fp32 (set bf16=True for CPU autocast)")
+
     def _check_tree_fields(self) -> None:
+        if self.tree_mode == "auto":
+            raise ValueError(
+                "tree_mode must be one of ('packed', 'dfs', 'off'), got 'auto'. The engine's mode='auto' "
+                "(tree_logprobs/tree_backward) chooses per call by memory; a trainer cannot, because its backward "
+                "path is fixed per mode (packed: one autograd pass; dfs: the engine's own walk). Run "
+                "'trl-tree inspect' on your rollouts to see each mode's predicted memory, then pick one: 'packed' "
+                "(fastest; with tree_token_budget to bound memory) or 'dfs' (memory of the longest sequence)"
+            )
         if self.tree_mode not in TREE_MODES:
             raise ValueError(f"tree_mode must be one of {TREE_MODES}, got {self.tree_mode!r}")
         if self.tree_shuffle not in TREE_SHUFFLES:
@@ -146,6 +169,7 @@ class TreeGRPOConfig(GRPOConfig, TreeArguments):
 
     def __post_init__(self):
         self._check_tree_fields()
+        self._default_to_cpu()
         super().__post_init__()
 
 
@@ -158,6 +182,7 @@ class TreeRLOOConfig(RLOOConfig, TreeArguments):
 
     def __post_init__(self):
         self._check_tree_fields()
+        self._default_to_cpu()
         super().__post_init__()
 
 
@@ -235,6 +260,7 @@ class TreePPOConfig(GRPOConfig, TreeArguments):
 
     def __post_init__(self):
         self._check_tree_fields()
+        self._default_to_cpu()
         self._check_ppo_fields()
         self._apply_ppo_aliases()
         one_generation = self.num_generations == 1
