@@ -8,9 +8,9 @@ the next unit. Here all of them travel in one pinned, non-blocking copy made bef
 kernel, and each array is a view of that buffer.
 
 The pinned host memory is a pool of staging buffers kept across calls (``StagingPool``), not a
-``pin_memory()`` per upload: on the H200 hosts ``pin_memory()`` of a few hundred KiB took 3 ms
-(``is_pinned``'s pointer query, or a fresh page-locked block), twice per packed step — 6 of a
-replayed 0.5B step's ~9 ms of host time before its first kernel (notes §18). A buffer is written
+``pin_memory()`` per upload: ``pin_memory()`` of a few hundred KiB (``is_pinned``'s pointer query,
+or a fresh page-locked block) cost a large part of a replayed small model's host time before its
+first kernel (docs/benchmarks/notes.md §18). A buffer is written
 again only once the copy that last read it has finished (its CUDA event), so an upload never
 waits for the GPU unless every buffer in the pool is still in flight.
 """

@@ -1,7 +1,7 @@
 """Activation-memory model of the engine's calls: ``mode="auto"`` and the depth-first walk's groups.
 
 Analytic, from the model's config (documented in docs/architecture.md, "Choosing the mode" and
-"How large a dfs group is"), checked against the H200 measurements (docs/benchmarks):
+"How large a dfs group is"), checked against GPU measurements (docs/benchmarks):
 
 - per token and layer, a decoder layer keeps ``(8·hidden + 4·intermediate + 4·kv_heads·head_dim)``
   values for its backward (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs),
@@ -12,8 +12,8 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
   and layer, the attention output (``heads·head_dim`` values) and its fp32 log-sum-exp (``heads``);
 - the LM head (TRL's chunked log-prob kernel) holds one ``[min(rows, 4096), 32768]`` logit tile, the
   gathered hidden rows and their fp32 gradient; where it differentiates the weight, a full-size
-  fp32 weight-gradient buffer and its cast — a fixed cost that at 0.5B outweighs the activations
-  of a 2,560-token sequence;
+  fp32 weight-gradient buffer and its cast — a fixed cost that on small models with large
+  vocabularies can outweigh a sequence's activations;
 - the depth-first walk's stack holds, per slot, every layer's K and V (model dtype); pushed slots
   also their fp32 gradients and, with ``keep_graph``, the kept layer inputs;
 - a forward without graph (``tree_logprobs``) holds only one layer's live tensors at a time
@@ -21,8 +21,8 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
   product, the residual stream), the head's tile and the stack.
 
 Two uses. ``choose_mode`` (``mode="auto"``): packed whenever its activations fit the memory budget,
-else dfs with the largest chunk that fits — measured on an H200, packed was faster than dfs on
-every forest but the 7B agentic tree, so time does not enter. ``GroupBudget``: how many tokens
+else dfs with the largest chunk that fits; measured, packed was faster than dfs wherever it fit
+(docs/benchmarks), so time does not enter. ``GroupBudget``: how many tokens
 of small sibling subtrees the walk may run in one call at a given stack depth, so that a unit
 stays within the memory of one forward+backward of the longest single sequence (or within a
 given budget). Fewer, larger calls are what makes the launch-bound walk fast on small models.

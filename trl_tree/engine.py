@@ -214,7 +214,7 @@ ROOT_SPLIT: bool | None = None
 #: so the recompute skips the attention kernels (``attention/kept.py``; packed FlashAttention path).
 #: Costs one hidden-sized tensor per token and layer until the backward reaches the layer. The
 #: default of the entry points' ``keep_attention=None``; set False (or pass ``keep_attention=False``)
-#: where that memory is needed more than the 1-4% of step time it saves.
+#: where that memory is needed more than the step time it saves (docs/benchmarks/README.md).
 KEEP_ATTENTION = True
 
 

@@ -1,13 +1,12 @@
 """CUDA-graph replay of the packed training call: the forward to the log-probs, and its backward.
 
-Why: on small models the packed step waits on the host, not the GPU. At 0.5B a tree step launches
-~5,000 kernels over only a few thousand unique tokens, and on the H200 machines each launch costs
-~35-50 µs of Python, dispatcher and autograd time, so the GPU idles 40-60% of the step (notes §9,
-§13, §15). A CUDA graph replays the same kernels with one launch. Measured on an H200 (bf16, HF
-checkpointing, ``python -m trl_tree.bench.graphs``, notes §16-17): 0.5B GRPO group 221 → 145 ms,
-agentic tree 207 → 100 ms; 1.5B agentic tree 311 → 219 ms — within 3-7% of the GPU's own kernel
-time, the bound of what any host-side work could reach (replayed calls also run the root split's
-dense blocks on cuDNN at head_dim 64, ``partial.CUDNN_GRAPHED_MIN_HEAD_DIM``).
+Why: on small models the packed step waits on the host, not the GPU. A tree step launches
+thousands of kernels over only a few thousand unique tokens, and each launch costs tens of
+microseconds of Python, dispatcher and autograd time, so the GPU idles for much of the step. A
+CUDA graph replays the same kernels with one launch, which brings the step close to the GPU's own
+kernel time (measured: ``python -m trl_tree.bench.graphs``; docs/benchmarks/README.md and notes.md
+§9-17). Replayed calls also run the root split's dense blocks on cuDNN at head_dim 64
+(``partial.CUDNN_GRAPHED_MIN_HEAD_DIM``).
 
 What is captured, per *layout signature* (every Python-level number the forward reads: token,
 node, key and prediction counts, the kernels' maximum lengths, the root split's shapes, the
@@ -29,9 +28,9 @@ When: a signature is captured the second time it is seen; the first call runs ea
 training run whose micro-batches never repeat a layout (GRPO with free-length completions) pays
 only that bookkeeping and never captures; layouts that repeat — fixed-length rollouts, an agent
 whose turns have fixed shapes, the benchmarks — replay. With ``cuda_graphs="buckets"`` a layout
-that does not repeat replays the graphs of its layout padded to buckets (``attention/buckets.py``):
-free-length GRPO at 0.5B 193–251 → 153–162 ms per Trainer step (H200, two hosts); at 1.5B the
-padding costs more than the host time it saves (290 → 323 ms), hence opt-in (notes §17).
+that does not repeat replays the graphs of its layout padded to buckets (``attention/buckets.py``);
+that pays on host-bound small models and costs more than it saves on larger ones, hence opt-in
+(docs/benchmarks/notes.md §17).
 
 Rules a replay keeps (each checked, never a wrong number): the forward replayed last must be the
 one whose backward runs (the pool holds one step's activations), so the backward of an earlier

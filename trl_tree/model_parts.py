@@ -338,9 +338,8 @@ def trainable_parameters(model: torch.nn.Module) -> tuple[torch.nn.Parameter, ..
 def activation_checkpointing(model: torch.nn.Module) -> bool:
     """HF's ``is_activation_checkpointing`` (any module with ``gradient_checkpointing`` set), read
     from the modules' dicts. Why not the property: it asks ``hasattr`` of every module, and a
-    missing attribute goes through ``Module.__getattr__`` and an exception — with checkpointing off,
-    1.26 against 0.80 ms here for a 24-layer model (a full walk either way), paid on every engine
-    call (notes §18)."""
+    missing attribute goes through ``Module.__getattr__`` and an exception, a host cost paid on
+    every engine call (measured in docs/benchmarks/notes.md §18)."""
     for module in _modules(model):
         flag = module.__dict__.get("gradient_checkpointing")
         if flag is None:

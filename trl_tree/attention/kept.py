@@ -3,7 +3,7 @@
 Why: under gradient checkpointing (TRL's default) every decoder layer runs its forward twice —
 once in the forward, once again in the backward to rebuild what it dropped — and tree attention
 is a larger share of a tree step than of an untreed one (every shared token is attended by every
-branch below it: on the agentic workload ~15% of the tree's FLOPs against ~8% of TRL's). The
+branch below it; docs/benchmarks/notes.md gives the shares). The
 FlashAttention backward needs only q, k, v (rebuilt by the recompute anyway) plus the output and
 its log-sum-exp; keeping those two from the first forward lets the recompute skip the attention
 kernels altogether. The result is bit for bit the same — the recompute would rebuild identical

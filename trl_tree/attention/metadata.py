@@ -38,14 +38,12 @@ def use_root_split(forest: PrefixForest, layout: RootSplitLayout, dense: bool = 
     Unsplit, each node computes its share of the root's rectangle in tiles of ``FLASH_QUERY_TILE``
     query rows: a 60-token tool result fills half a tile, a 512-token completion fills four. Split,
     each rectangle is one segment, at the price of more kernels and a log-sum-exp merge. With FA2
-    alone the split won only where nodes are short (the agentic tree W4: 5–8% faster at every
-    size; its tiles would waste 25% of all attention work) and lost 2–8% on GRPO groups with
-    512–1024-token completions — so split when the removed waste is a good share. With a dense
-    kernel (``dense``: cuDNN, about twice FA2's speed) the rectangle and the root's causal block
-    of a single tree run dense: split when those blocks are most of the attention (measured, 1.5B
-    and 7B: agentic tree, share 0.97, 19% and 13% faster; GRPO 2048+16x512, 0.90, 1-2% faster;
-    1024+8x1024, 0.68, 2-3% slower; 256+8x1024, 0.34, 5-8% slower). Never for roots shorter than
-    a tile (nothing worth a second kernel).
+    alone the split won only where nodes are short (agentic trees, whose tiles waste much of the
+    attention work) and lost on GRPO groups with long completions, so split when the removed
+    waste is a good share. With a dense kernel (``dense``: cuDNN, faster than FA2 on dense blocks)
+    the rectangle and the root's causal block of a single tree run dense: split when those blocks
+    are most of the attention (the thresholds and their measurements: notes §12). Never for roots
+    shorter than a tile (nothing worth a second kernel).
     """
     if layout.rect_max_seqlen_k < FLASH_QUERY_TILE:
         return False

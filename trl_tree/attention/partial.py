@@ -199,16 +199,14 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 def cudnn_dense_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
     """cuDNN's fused attention over *one* dense segment (the varlen arguments are not read).
 
-    Why a second kernel: on H100/H200 cuDNN's Hopper kernels run dense attention about twice as
-    fast as PyTorch's FA2 varlen, forward and backward (measured: ``docs/benchmarks/notes.md``
-    §12). A tree's big dense blocks — a root's causal self-attention, the rectangle of all queries
+    Why a second kernel: on Hopper GPUs cuDNN's kernels run dense attention markedly faster than
+    PyTorch's FA2 varlen, forward and backward (measured: ``docs/benchmarks/notes.md`` §12). A tree's big dense blocks — a root's causal self-attention, the rectangle of all queries
     below a root against its keys, the depth-first walk's cached prefix — are single segments.
     GQA is native (K/V keep their heads); the log-sum-exp is the natural-log one FA2 returns, so
     the two kernels' partials merge (``merge_partials``). ``causal`` is aligned top-left (query
-    ``i`` sees keys ``0..i``; measured on H200, cuDNN 9.19: its outputs equal the square block's and
-    the rectangle's, run apart, bit for bit): a root's causal block and the rectangle of every
-    query below it are one call: forward and backward 1–10% faster than two calls on the suite's
-    shapes, and no copies to join them (notes §18).
+    ``i`` sees keys ``0..i``; its outputs equal the square block's and the rectangle's, run apart,
+    bit for bit): a root's causal block and the rectangle of every query below it are one call,
+    faster than two calls and with no copies to join them (measured: notes §18).
     """
     _check_dense_causal(q, k, causal)
     out, lse, cum_q, cum_k, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -241,9 +239,9 @@ PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward
 DENSE_KERNELS = {"torch_flash": (cudnn_dense_forward, cudnn_dense_backward)}
 
 #: head dimensions the dense (cuDNN) pair is used for: up to 128 (cuDNN's limit here), and from
-#: 128 on when the host launches the kernels: at head_dim 64 (Qwen2.5-0.5B) the split with cuDNN
-#: ran slower than FA2 varlen on H200 (agentic tree: 203 vs 157 ms unsplit; a cuDNN call costs more
-#: host time, and the 0.5B step is host-bound), at 128 faster (1.5B: 244 vs 301 ms; notes §12)
+#: 128 on when the host launches the kernels: at head_dim 64 a cuDNN call's extra host time made a
+#: host-bound small model's step slower than FA2 varlen alone, at 128 the split is faster
+#: (measured in docs/benchmarks/notes.md §12)
 CUDNN_MIN_HEAD_DIM = 128
 CUDNN_MAX_HEAD_DIM = 128
 #: ... and from 64 on in a replayed CUDA graph (``trl_tree.graphs``), where the host's cost per call
@@ -255,8 +253,8 @@ DENSE_MIN_ROWS = 64
 
 
 #: backends whose dense pair plans each new shape before running it: cuDNN builds an execution plan
-#: per shape, ~150 ms per step for a 1.5B model's root block and rectangle (forward and backward),
-#: measured on free-length GRPO groups, where no shape repeats (notes §17)
+#: per shape, which costs a large share of a step where no shape repeats (free-length GRPO groups;
+#: measured in docs/benchmarks/notes.md §17)
 PLANNED_DENSE = {"torch_flash"}
 #: such a pair runs a shape from this sighting on (the first ones take the varlen pair): a shape
 #: that never comes back is never planned, nor one seen twice (GRPO's ``num_iterations = 2``: a

@@ -86,24 +86,24 @@ class TreeArguments:
     tree_keep_attention: bool = field(
         default=True,
         metadata={"help": "packed mode under gradient checkpointing: keep each layer's attention output and "
-                  "log-sum-exp from the forward so the recompute skips the attention kernels (the same gradients; "
-                  "1-4% faster at 1.5B/7B, more on deep trees) for one hidden-sized tensor per unique token and "
+                  "log-sum-exp from the forward so the recompute skips the attention kernels (the same gradients, a "
+                  "little faster, more on deep trees) for one hidden-sized tensor per unique token and "
                   "layer. False: recompute the attention, as TRL does."},
     )
     tree_compile_layers: bool = field(
         default=False,
         metadata={"help": "torch.compile every decoder layer's attention module, MLP and norms "
                   "(trl_tree.compile_layers; the tree attention stays eager between the graphs; with tree_mode='off', "
-                  "TRL's own step on compiled layers). Pays where the GPU is the bottleneck: 7B packed steps 8-9% "
-                  "faster on an H200, the 1.5B Trainer step 13%; little or nothing on small models whose tree "
-                  "steps wait on the host. The first steps compile (10-15 s)."},
+                  "TRL's own step on compiled layers). Pays where the GPU is the bottleneck (large models); little or "
+                  "nothing on small models whose tree steps wait on the host (docs/benchmarks/README.md). The first "
+                  "steps compile."},
     )
     tree_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "Replay CUDA graphs of the packed training forward and backward (trl_tree.graphs) for "
                   "micro-batch layouts seen before (captured at the second sighting; the loss stays eager). Pays "
-                  "where the host is the bottleneck — small models: a 0.5B agentic-tree step 207 -> 100 ms on an "
-                  "H200 — and only when layouts repeat (num_iterations > 1, fixed-length rollouts). Under DDP the call "
+                  "where the host is the bottleneck (small models; docs/benchmarks/README.md, CUDA graphs) and only "
+                  "when layouts repeat (num_iterations > 1, fixed-length rollouts). Under DDP the call "
                   "runs outside the wrapper and the gradients are averaged by hand (not FSDP/DeepSpeed). Costs one "
                   "gradient-sized buffer and the graphs' activation pool."},
     )
@@ -111,8 +111,9 @@ class TreeArguments:
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
                   "replay the graphs of their layout padded to buckets (up to 12.5% more tokens, keys and "
-                  "predictions; trl_tree/attention/buckets.py). Pays where the host is the bound: free-length "
-                  "GRPO on an H200, 0.5B 193-251 -> 153-162 ms per step; at 1.5B the padding costs more (290 -> 323 ms)."},
+                  "predictions; trl_tree/attention/buckets.py). Pays where the host is the bound (small models with "
+                  "free-length completions); on larger models the padding costs more than it saves "
+                  "(docs/benchmarks/README.md, CUDA graphs)."},
     )
 
     def _default_to_cpu(self) -> None:

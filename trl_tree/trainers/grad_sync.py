@@ -5,7 +5,7 @@ of the trainers; replayed CUDA graphs, whose backward cannot run DDP's hooks), s
 never sees those gradients and the trainer averages them itself at each synchronising step.
 
 Why buckets: averaging through one flat copy of every gradient costs a second copy of all of them
-at once — 1 GB at 0.5B, 14 GiB at 7B in bf16 — on top of the step's own peak. Buckets of
+at once (2 bytes per parameter in bf16) on top of the step's own peak. Buckets of
 ``BUCKET_BYTES`` (DDP reduces in buckets too, 25 MiB by default) bound that to one bucket, and a
 contiguous gradient at least that large is reduced where it lies, with no copy. Each bucket holds
 one device and dtype: a flat concatenation of mixed dtypes (fp32 adapters next to bf16 weights)
