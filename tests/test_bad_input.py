@@ -170,3 +170,16 @@ def test_a_peft_adapter_on_the_lm_head_is_refused():
     assert_logps_close(tree_logprobs(saved, seqs), untreed_logprobs(saved, seqs))
     with saved.disable_adapter():
         assert_logps_close(tree_logprobs(saved, seqs), untreed_logprobs(saved, seqs))
+
+
+def test_auto_backend_is_not_changed_by_an_installed_package(monkeypatch):
+    """With every kernel available on a GPU, 'auto' keeps PyTorch's FlashAttention varlen: flash-attn
+    (FA4) made the whole step slower though its kernel is faster (docs/benchmarks/notes.md §20);
+    soft-capping, which torch_flash cannot apply, goes to flash."""
+    from trl_tree.attention import backends
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, name))
+    cuda = torch.device("cuda")
+    assert backends.resolve_backend("auto", cuda, torch.bfloat16) == "torch_flash"
+    assert backends.resolve_backend("auto", cuda, torch.bfloat16, softcap=30.0) == "flash"
+    assert backends.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"

@@ -384,14 +384,18 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, wi
                     softcap: float | None = None, sinks: bool = False) -> str:
     """Resolve ``"auto"`` to the fastest backend that runs here; validate an explicit choice.
 
-    auto: on CUDA in fp16/bf16, flash-attn if installed, else PyTorch's FlashAttention varlen;
-    on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa. A model with attention logit soft-capping
+    auto: on CUDA in fp16/bf16, PyTorch's FlashAttention varlen (with cuDNN for the dense blocks),
+    else flash-attn; on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa. Why ``torch_flash``
+    before ``flash``: with FlashAttention-4 installed, a whole training step through ``flash`` was
+    slower than through ``torch_flash`` although FA4's kernel alone is faster (measured:
+    docs/benchmarks/notes.md), so an installed package must not change the choice by itself; ask for
+    ``flash`` by name. A model with attention logit soft-capping
     (``softcap``) skips the kernels that cannot apply it (``attention/support.py``); ``window`` and
     ``sinks`` are listed for the same reason (every backend takes a window; sinks only the
     references, which auto does not pick on CUDA: they build a [U, U] mask).
     """
     if requested == "auto":
-        order = ("flash", "torch_flash", "flex") if device.type == "cuda" else ()
+        order = ("torch_flash", "flash", "flex") if device.type == "cuda" else ()
         if softcap is not None:
             order = tuple(b for b in order if b != "torch_flash")
         for name in order:

@@ -53,8 +53,9 @@ class TreeArguments:
     )
     tree_attn_backend: str = field(
         default="auto",
-        metadata={"help": f"Tree attention kernel, one of {ATTN_BACKENDS}. 'auto': flash-attn, else PyTorch's "
-                  "FlashAttention varlen, else flex on GPU; sdpa on CPU."},
+        metadata={"help": f"Tree attention kernel, one of {ATTN_BACKENDS}. 'auto': PyTorch's FlashAttention varlen "
+                  "(cuDNN for dense blocks), else flash-attn, else flex on GPU; sdpa on CPU. 'flash' (flash-attn, "
+                  "FlashAttention-4) only when asked for: an installed package does not change 'auto'."},
     )
     tree_token_budget: int | None = field(
         default=None,
