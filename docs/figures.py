@@ -22,6 +22,16 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 BLUE, ORANGE, GREY = "#3b7dd8", "#e8833a", "#bbbbbb"
 
 
+def finish(fig, ax, xlabel: str, ylabel: str, title: str, name: str) -> None:
+    """Label the axes, title the figure and write ``figures/<name>.png``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, size=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, f"{name}.png"), dpi=120)
+    plt.close(fig)
+
+
 def small_forest() -> PrefixForest:
     """Three trajectories: a shared prompt, two of them sharing a first turn."""
     prompt = [1, 2, 3, 4, 5, 6]
@@ -59,12 +69,8 @@ def draw_visibility() -> None:
     ax.imshow(visible, cmap="Blues", interpolation="nearest")
     ax.set_xticks(range(u), [str(t) for t in forest.tokens], size=7)
     ax.set_yticks(range(u), [str(t) for t in forest.tokens], size=7)
-    ax.set_xlabel("key (packed order, token id)")
-    ax.set_ylabel("query")
-    ax.set_title("packed layout: key k visible to query q\niff k <= q < subtree_end[k]", size=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "visibility.png"), dpi=120)
-    plt.close(fig)
+    finish(fig, ax, "key (packed order, token id)", "query",
+           "packed layout: key k visible to query q\niff k <= q < subtree_end[k]", "visibility")
 
 
 def draw_walk() -> None:
@@ -79,13 +85,9 @@ def draw_walk() -> None:
         depth.append(unit.depth if step.op == "pop" else unit.depth + unit.num_tokens)
     fig, ax = plt.subplots(figsize=(8, 2.6))
     ax.step(range(len(depth)), depth, where="post", color=BLUE)
-    ax.set_xlabel("step of the depth-first walk")
-    ax.set_ylabel("K/V stack (tokens)")
-    ax.set_title(f"{forest.num_sequences} trajectories, longest path {forest.max_depth} tokens: the stack never holds "
-                 "more than one path", size=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "walk.png"), dpi=120)
-    plt.close(fig)
+    finish(fig, ax, "step of the depth-first walk", "K/V stack (tokens)",
+           f"{forest.num_sequences} trajectories, longest path {forest.max_depth} tokens: the stack never holds "
+           "more than one path", "walk")
 
 
 def draw_gradients() -> None:
@@ -95,12 +97,8 @@ def draw_gradients() -> None:
     mult = forest.multiplicity
     fig, ax = plt.subplots(figsize=(8, 2.6))
     ax.bar(range(forest.num_unique_tokens), mult, color=[BLUE if m > 1 else ORANGE for m in mult], width=1.0)
-    ax.set_xlabel("unique token (packed order)")
-    ax.set_ylabel("sequences through it")
-    ax.set_title("a shared token is computed once; its gradient sums the terms of every sequence through it", size=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "gradients.png"), dpi=120)
-    plt.close(fig)
+    finish(fig, ax, "unique token (packed order)", "sequences through it",
+           "a shared token is computed once; its gradient sums the terms of every sequence through it", "gradients")
 
 
 def main() -> None:
