@@ -1,4 +1,4 @@
-"""The GPU benchmark suite: W1–W5 × model sizes, baselines and tree modes in one process.
+"""The GPU benchmark suite: W1–W6 × model sizes, baselines and tree modes in one process.
 
     python -m trl_tree.bench.suite [--sizes 0.5b,1.5b,7b] [--out docs/benchmarks/suite_h200.json]
     python -m trl_tree.bench.suite --report docs/benchmarks/suite_h200.json   # table + plot only
@@ -71,19 +71,25 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
                 tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
         return step
 
-    paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
-             "tree_packed": tree(forest)}
     layout = RootSplitLayout.from_forest(forest)
     dense = engine.dense_blocks(model_parts(model), "torch_flash")
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
-    if layout is not None:  # the packed path the other way round: does the split decision hold?
-        paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
-    # what keeping the attention outputs for the recompute gains (and costs in memory)
-    paths["tree_packed_recompute"] = tree(forest, keep_attention=False)
-    # the same packed step replaying CUDA graphs (trl_tree.graphs; captured in the warm-up)
-    paths["tree_packed_graphs"] = tree(forest, cuda_graphs=True)
-    if layout is not None and trie_packer_available():  # TRL's own tree packing, where anything is shared
-        paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
+    base_path = "per_sequence" if w.per_sequence_baseline else "trl_padded"
+    if w.per_sequence_baseline:  # one sequence per micro-batch, accumulated: the step a long-context user runs
+        singles = [padded_step(model, [s], adv[i : i + 1], P, n_terms) for i, s in enumerate(seqs)]
+        paths = {"per_sequence": lambda: [step() for step in singles], "tree_packed": tree(forest)}
+        dfs, iters = True, min(iters, 2)
+    else:
+        paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
+                 "tree_packed": tree(forest)}
+        if layout is not None:  # the packed path the other way round: does the split decision hold?
+            paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
+        # what keeping the attention outputs for the recompute gains (and costs in memory)
+        paths["tree_packed_recompute"] = tree(forest, keep_attention=False)
+        # the same packed step replaying CUDA graphs (trl_tree.graphs; captured in the warm-up)
+        paths["tree_packed_graphs"] = tree(forest, cuda_graphs=True)
+        if layout is not None and trie_packer_available():  # TRL's own tree packing, where anything is shared
+            paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
@@ -99,14 +105,14 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
             rows.append({"path": name, "error": "out of memory"})
         except Exception as e:  # one path failing (e.g. TRL's packer under compiled layers) must not lose the rest
             rows.append({"path": name, "error": f"{type(e).__name__}: {e}"[:500]})
-        if profile_tables is not None and name in ("trl_padded", "tree_packed") and "ms" in rows[-1]:
+        if profile_tables is not None and name in (base_path, "tree_packed") and "ms" in rows[-1]:
             prof = profile_step(fn)
             rows[-1]["gpu_ms_by_kind"] = gpu_ms_by_kind(prof)
             profile_tables.append(f"===== {w.name} {name}\n{kernel_table(prof)}")
             model.zero_grad(set_to_none=True)
         print(w.name, rows[-1], flush=True)
     by = {r["path"]: r for r in rows}
-    base = by["trl_padded"].get("ms")
+    base = by[base_path].get("ms")
     for r in rows:
         if "ms" in r and base and r["path"] != "longest_single":
             r["speedup"] = round(base / r["ms"], 3)
@@ -115,7 +121,7 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
                 r["fraction_of_flop_limit"] = round(r["speedup"] / (limit if keeps else limit_recompute), 3)
                 r["speedup_over_T_U"] = round(r["speedup"] / (T / U), 3)
     by["tree_packed"]["root_split"] = split
-    pf, tp = by["padding_free"].get("ms"), by["tree_packed"].get("ms")
+    pf, tp = by.get("padding_free", {}).get("ms"), by["tree_packed"].get("ms")
     single = by.get("longest_single", {})
     dfs = by.get("tree_dfs", {})
     if "ms" in dfs:
@@ -125,7 +131,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     for key in ("peak_gib", "activation_peak_gib"):
         if single.get(key) and key in dfs:
             dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
-    return {"workload": w.name, "description": w.description, "num_sequences": len(seqs), "T": T, "U": U,
+    return {"workload": w.name, "description": w.description, "baseline": base_path, "num_sequences": len(seqs),
+            "T": T, "U": U,
             "T_over_U": round(T / U, 3), "longest": int(forest.max_depth), "flop_limit": round(limit, 3),
             "flop_limit_recomputing_attention": round(limit_recompute, 3),
             "tree_over_padding_free": round(tp / pf, 3) if pf and tp else None, "rows": rows}
@@ -155,7 +162,8 @@ def markdown(payload: dict) -> str:
                 return f"{x['ms']:.0f} ms" if "ms" in x else x.get("error", "–")
             tp, dfs = by.get("tree_packed", {}), by.get("tree_dfs", {})
             key = "activation_peak_gib" if "activation_peak_gib" in tp else "peak_gib"  # older payloads
-            peak = f"{by['trl_padded'].get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
+            base_row = by.get(r.get("baseline", "trl_padded"), {})
+            peak = f"{base_row.get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
             dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
             if "calls" in dfs:
                 dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
@@ -172,7 +180,8 @@ def markdown(payload: dict) -> str:
                 split_cell += f" ({other.removeprefix('tree_packed_')} {ms(other)})"
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
-                f"{ms('trl_padded')} | {ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
+                f"{ms(r.get('baseline', 'trl_padded'))}{' (per sequence)' if r.get('baseline') == 'per_sequence' else ''} | "
+                f"{ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
                 f"{tp.get('fraction_of_flop_limit', 0):.2f} | {graphs_cell} | {rec_cell} | {split_cell} | {trie_cell} | "
                 f"{dfs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
@@ -231,7 +240,8 @@ def write_reports(payload: dict, json_path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.5b,1.5b,7b")
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6",
+                        help="W6 (441k tokens) is timed against one sequence per micro-batch, accumulated")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmark_suite.json")
     parser.add_argument("--report", default=None, help="only render the table and plot of this JSON")

@@ -20,6 +20,9 @@ class Workload:
     description: str
     sequences: list[list[int]]
     score_from: int
+    #: the baseline accumulates one sequence per micro-batch: a padded batch of all of them would not
+    #: fit (what a long-context user runs), and the suite times only that, packed and dfs
+    per_sequence_baseline: bool = False
 
 
 def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 1), (200, 2), (60, 3)),
@@ -34,6 +37,11 @@ def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 
     for length, branch in turns:
         paths = [p + rng.integers(0, vocab, length).tolist() for p in paths for _ in range(branch)]
     return paths
+
+
+#: W6: an 8k system prompt and five turns, each branching two ways at its tool call: 32 trajectories
+#: of 13,800 tokens (T = 441,600, U = 54,800, T/U = 8.06)
+LONG_AGENTIC_TURNS = ((2000, 2), (1500, 2), (1000, 2), (800, 2), (500, 2))
 
 
 def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -> list[list[int]]:
@@ -52,4 +60,6 @@ def suite_workloads(vocab: int) -> list[Workload]:
         Workload("W4", "agentic tree: 4.8k system prompt, 5 turns branching at tool calls, 12 leaves",
                  agentic_tree(vocab), 4800),
         Workload("W5", "no sharing: 16 sequences of 2048 tokens (prompt 1024)", no_sharing(vocab), 1024),
+        Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves of 13.8k tokens",
+                 agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6), 8000, per_sequence_baseline=True),
     ]
