@@ -84,6 +84,8 @@ def test_windows_two_processes_equal_one_process(launched):
             metrics = [t["metrics"] for t in two]
             assert metrics[0]["tree/rank_imbalance"] == metrics[1]["tree/rank_imbalance"]  # one plan, every rank
             assert max(metrics[0]["tree/rank_imbalance"]) <= 1.05
+            if algo == "grpo":  # its reference (beta) and old-policy (2 iterations) passes were placed too
+                assert "tree/rank_imbalance_forward" in metrics[0]
     # whole trees share more than each process's micro-batches did
     def dedup(run):
         return [torch.load(launched / f"win-{run}-p2_rank{r}.pt")["metrics"]["tree/dedup_ratio"][0] for r in (0, 1)]

@@ -307,6 +307,9 @@ class TreeTrainerMixin:
             window, micro = self._window_for(input_ids, attention_mask, logits_to_keep, allowed=not compute_aux_loss)
             if window is not None:
                 return self._window_policy(window, micro, model, compute_entropy)
+        elif (self.model.training and self._windows_on() and self.accelerator.num_processes > 1
+              and not compute_aux_loss):
+            return self._placed_forward(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
@@ -424,6 +427,31 @@ class TreeTrainerMixin:
         logps, entropies, _, values = bridge(logps, entropies, keep, None, values)
         if value_head is not None:
             self._tree_joint_values = values
+        return logps, entropies, None
+
+    def _placed_forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                        compute_entropy: bool):
+        """A forward without a graph over every process's rows (the generation batch's old-policy and
+        reference log-probs), each tree computed whole on one rank and the results brought back to
+        the rows' own ranks — the placement of an accumulation window, forward only. Every process
+        computes these passes at the same moment, so the collective calls line up."""
+        args = self.args
+        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
+        parts = model_parts(model)
+        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes)
+        window = TreeWindow([rows], [input_ids.shape[1]], exchange, parts.causal_lm.config.get_text_config(), False,
+                            args.tree_token_budget, bool(parts.length_dependent_rope), stock_two_pass=False)
+        target = self.accelerator.unwrap_model(model)
+        lm_head_fp32 = bool(getattr(args, "cast_lm_head_to_fp32", False))
+
+        def score(rows_, calls, forests, rope_length):
+            kwargs = dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32)
+            with self.accelerator.autocast():
+                return self._score_calls(target, rows_, calls, forests, compute_entropy, True, None, kwargs)
+
+        window.forward("forward", score, None, self.accelerator.device)
+        self._metrics["train"]["tree/rank_imbalance_forward"].append(window.imbalance)
+        logps, entropies, _ = window.outputs("forward", 0)
         return logps, entropies, None
 
     def _close_window(self, model) -> None:
