@@ -74,7 +74,7 @@ def group_step_cost(prompt_len: int, completion_lens: Sequence[int]) -> StepCost
 
 @dataclass
 class _Pass:
-    backward: Backward
+    backward: Backward | None  # None: a forward-only pass (the placed old / reference log-probs)
     dtypes: list[torch.dtype | None]  # of each kind of output (None: the pass has none)
     outputs: list[list[torch.Tensor | None]]  # per micro-step, per kind: padded on the micro-step's rows
     grads: list[list[torch.Tensor | None]]  # per micro-step, per kind
@@ -193,8 +193,9 @@ class TreeWindow:
         return [f for _, forests, _ in self._layout[1] for f in forests] if self._layout else []
 
     # ------------------------------------------------------------------ passes
-    def forward(self, name: str, score: Score, backward: Backward, device: torch.device) -> None:
-        """Run a pass's forward on the owned trees and bring each row's results home."""
+    def forward(self, name: str, score: Score, backward: Backward | None, device: torch.device) -> None:
+        """Run a pass's forward on the owned trees and bring each row's results home; ``backward``
+        (None for a forward-only pass) runs at :meth:`backward` with the rows' loss gradients."""
         if name in self.passes:
             raise RuntimeError(f"the window's {name!r} pass already ran its forward")
         owned, groups = self.layout(device)
@@ -230,6 +231,8 @@ class TreeWindow:
         """Send every pass's gradients to the trees' owners and run each pass's tree backward."""
         owned, groups = self.layout(device)
         for p in self.passes.values():
+            if p.backward is None:
+                continue
             flags = [any(g[k] is not None for g in p.grads) for k in range(len(p.dtypes))]
             present = self._agree([p.dtypes[k] if f else None for k, f in enumerate(flags)])
             if not any(d is not None for d in present):
