@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 
 
@@ -30,11 +29,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
 
-    workdir = tempfile.mkdtemp(prefix="grpo_tree_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="grpo_tree_", ignore_cleanup_errors=True) as workdir:  # the tiny policy, the trainer's output
         _train(args, workdir)
-    finally:  # the tiny policy and the trainer's output folder, unless --output-dir was given
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(args, workdir: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 
 
@@ -32,11 +31,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
 
-    workdir = tempfile.mkdtemp(prefix="ppo_tree_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="ppo_tree_", ignore_cleanup_errors=True) as workdir:  # the tiny policy, the trainer's output
         _train(args, workdir)
-    finally:  # the tiny policy and the trainer's output folder, unless --output-dir was given
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(args, workdir: str) -> None:

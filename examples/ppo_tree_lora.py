@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 
 
@@ -22,11 +21,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
 
-    workdir = tempfile.mkdtemp(prefix="ppo_tree_lora_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="ppo_tree_lora_", ignore_cleanup_errors=True) as workdir:  # the tiny policy, the trainer's output
         _train(args, workdir)
-    finally:  # the tiny policy and the trainer's output folder, unless --output-dir was given
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(args, workdir: str) -> None:
