@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="ppo_tree_", ignore_cleanup_errors=True) as workdir:  # the tiny policy, the trainer's output
+    # the tiny policy and the trainer's output (unless --output-dir) go, and leave, with this folder
+    with tempfile.TemporaryDirectory(prefix="ppo_tree_", ignore_cleanup_errors=True) as workdir:
         _train(args, workdir)
 
 
