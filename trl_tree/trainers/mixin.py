@@ -317,8 +317,7 @@ class TreeTrainerMixin:
         if by_hand:
             self._tree_sync_pending = True
         # what stock's padded forward shows the model: its width (a length-dependent RoPE chooses by it)
-        call_kwargs = dict(rope_length=input_ids.shape[1], lm_head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32",
-                                                                                     False)))
+        call_kwargs = self._call_kwargs(input_ids.shape[1])
         router = self._router() if compute_aux_loss else None
         value_head = self._joint_value_head() if differentiable else None
         with self.accelerator.autocast():
@@ -347,7 +346,6 @@ class TreeTrainerMixin:
         every rank) at the window's first micro-step — or ``(None, 0)`` where micro-steps run on
         their own (``tree_window``, the cost model's choice, a MoE load-balancing loss, which TRL
         computes per micro-batch)."""
-        args = self.args
         if not self._windows_on() or self._buffered_inputs is None:
             return None, 0
         state = self._tree_window
@@ -379,11 +377,9 @@ class TreeTrainerMixin:
         if allowed and worth_trying:
             rows = [PaddedRows.from_padded(ids, torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1),
                                            b["completion_ids"].shape[1]) for ids, b in zip(input_ids, micro_inputs)]
-            parts = model_parts(self.model)
             stock_two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-            window = TreeWindow(rows, [ids.shape[1] for ids in input_ids], exchange,
-                                parts.causal_lm.config.get_text_config(), bool(args.gradient_checkpointing),
-                                args.tree_token_budget, bool(parts.length_dependent_rope), stock_two_pass)
+            window = self._new_window(self.model, rows, [ids.shape[1] for ids in input_ids], exchange,
+                                      bool(args.gradient_checkpointing), stock_two_pass)
             metrics = self._metrics["train"]
             metrics["tree/rank_imbalance_stock"].append(window.stock_imbalance)
             if args.tree_window == "auto" and not window.pays:
@@ -401,23 +397,15 @@ class TreeTrainerMixin:
         target = self.accelerator.unwrap_model(model)
         device = self.accelerator.device
         value_head = self._joint_value_head()
-        lm_head_fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         if "policy" not in window.passes:
-            def score(rows, calls, forests, rope_length):
-                kwargs = dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32)
-                with self.accelerator.autocast():
-                    return self._score_calls(target, rows, calls, forests, compute_entropy, True, None, kwargs,
-                                             value_head)
-
             def backward(rows, calls, forests, rope_length, grads):
                 grad_logps, grad_entropies, grad_values = grads
                 if grad_logps is None:
                     grad_logps = torch.zeros(rows.shape, device=device)
                 self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, None, None,
-                                    dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32), value_head, grad_values,
-                                    sync=False)
+                                    self._call_kwargs(rope_length), value_head, grad_values, sync=False)
 
-            window.forward("policy", score, backward, device)
+            window.forward("policy", self._window_scorer(target, compute_entropy, value_head), backward, device)
             self._log_forests(window.forests)
         logps, entropies, values = window.outputs("policy", micro)
 
@@ -435,24 +423,36 @@ class TreeTrainerMixin:
         reference log-probs), each tree computed whole on one rank and the results brought back to
         the rows' own ranks — the placement of an accumulation window, forward only. Every process
         computes these passes at the same moment, so the collective calls line up."""
-        args = self.args
         rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
-        parts = model_parts(model)
         exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes)
-        window = TreeWindow([rows], [input_ids.shape[1]], exchange, parts.causal_lm.config.get_text_config(), False,
-                            args.tree_token_budget, bool(parts.length_dependent_rope), stock_two_pass=False)
+        window = self._new_window(model, [rows], [input_ids.shape[1]], exchange, False, stock_two_pass=False)
         target = self.accelerator.unwrap_model(model)
-        lm_head_fp32 = bool(getattr(args, "cast_lm_head_to_fp32", False))
-
-        def score(rows_, calls, forests, rope_length):
-            kwargs = dict(rope_length=rope_length, lm_head_fp32=lm_head_fp32)
-            with self.accelerator.autocast():
-                return self._score_calls(target, rows_, calls, forests, compute_entropy, True, None, kwargs)
-
-        window.forward("forward", score, None, self.accelerator.device)
+        window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
         self._metrics["train"]["tree/rank_imbalance_forward"].append(window.imbalance)
         logps, entropies, _ = window.outputs("forward", 0)
         return logps, entropies, None
+
+    def _new_window(self, model, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange,
+                    gradient_checkpointing: bool, stock_two_pass: bool) -> TreeWindow:
+        """A window over ``micro_rows`` for ``model`` (its config costs the trees; a length-dependent
+        RoPE keeps rows of different padded widths in different calls)."""
+        parts = model_parts(model)
+        return TreeWindow(micro_rows, widths, exchange, parts.causal_lm.config.get_text_config(),
+                          gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
+                          stock_two_pass)
+
+    def _window_scorer(self, target, compute_entropy: bool, value_head=None):
+        """A window pass's forward over its owned rows: the tree calls without a graph (``_score_calls``)."""
+        def score(rows, calls, forests, rope_length):
+            with self.accelerator.autocast():
+                return self._score_calls(target, rows, calls, forests, compute_entropy, True, None,
+                                         self._call_kwargs(rope_length), value_head)
+        return score
+
+    def _call_kwargs(self, rope_length: int) -> dict:
+        """What a tree call of the policy takes besides the mode: the width stock's padded forward shows
+        a length-dependent RoPE, and TRL's ``cast_lm_head_to_fp32``."""
+        return dict(rope_length=rope_length, lm_head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
 
     def _close_window(self, model) -> None:
         """At the window's last micro-step: the trees' backward on their owners, then DDP's average."""

@@ -105,7 +105,7 @@ class PaddedRows:
     def positions(self, calls: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, cols)`` in the ``(B, logits_to_keep)`` output of the calls' flat scores, in call
         order (each call's rows in the given order, each row's scored tokens left to right)."""
-        counts = [len(s) - f for s, f in zip(self.sequences, self.score_from)]
+        counts = self.scored_counts
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         order = [i for call in calls for i in call]
         take = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]) if order else np.zeros(0)

@@ -92,10 +92,10 @@ class TreeWindow:
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
                      for rank, (micros, rank_widths) in enumerate(gathered)
                      for m, micro in enumerate(micros) for i, (tokens, first) in enumerate(micro)]
+        prompts = [tuple(row.tokens[: row.score_from].tolist()) for row in self.rows]
         units: dict[tuple, list[int]] = {}
         for g, row in enumerate(self.rows):
-            key = (row.width,) if split_by_width else ()
-            units.setdefault(key + tuple(row.tokens[: row.score_from].tolist()), []).append(g)
+            units.setdefault(((row.width,) if split_by_width else ()) + prompts[g], []).append(g)
         self.units = list(units.values())
 
         def flops(rows: list[int], two_pass: bool) -> float:
@@ -103,7 +103,7 @@ class TreeWindow:
             extra = step_flops(cost, config, False) / 3 if two_pass else 0.0  # the forward without a graph
             return step_flops(cost, config, gradient_checkpointing) + extra
 
-        self.units, costs, bins, self.method = self._place(self.units, lambda u: flops(u, True), exchange.world)
+        self.units, costs, bins = self._place(self.units, lambda u: flops(u, True), exchange.world)
         self.imbalance = imbalance(costs, bins)
         self.rank_costs = [sum(costs[u] for u in b) for b in bins]
         self.owner = [0] * len(self.rows)
@@ -115,7 +115,7 @@ class TreeWindow:
         stock = [0.0] * exchange.world
         pieces: dict[tuple, list[int]] = {}
         for g, row in enumerate(self.rows):
-            pieces.setdefault((row.rank, row.micro, tuple(row.tokens[: row.score_from].tolist())), []).append(g)
+            pieces.setdefault((row.rank, row.micro, prompts[g]), []).append(g)
         for key, rows in pieces.items():
             stock[key[0]] += flops(rows, stock_two_pass)
         self.stock_rank_costs = stock
@@ -141,7 +141,7 @@ class TreeWindow:
         half keeps its shared prefixes; each half pays the prompt again) where that lowers the
         busiest rank's cost — few large trees over many ranks cannot be balanced whole."""
         costs = [cost(u) for u in units]
-        bins, method, worst = balance(costs, ranks)
+        bins, _, worst = balance(costs, ranks)
         for _ in range(2 * ranks):
             totals = [sum(costs[u] for u in b) for b in bins]
             if worst <= SPLIT_ABOVE:
@@ -155,11 +155,11 @@ class TreeWindow:
             halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
             trial = units[:u] + halves + units[u + 1 :]
             trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
-            trial_bins, trial_method, trial_worst = balance(trial_costs, ranks)
+            trial_bins, _, trial_worst = balance(trial_costs, ranks)
             if max(sum(trial_costs[i] for i in b) for b in trial_bins) >= max(totals):
                 break
-            units, costs, bins, method, worst = trial, trial_costs, trial_bins, trial_method, trial_worst
-        return units, costs, bins, method
+            units, costs, bins, worst = trial, trial_costs, trial_bins, trial_worst
+        return units, costs, bins
 
     @property
     def pays(self) -> bool:
@@ -210,7 +210,7 @@ class TreeWindow:
             if dtype is None:
                 continue
             flat = owned.flat(results[k]) if results is not None and results[k] is not None else None
-            home_flat = self._send(flat, self.owned, self.home, device, dtype)
+            home_flat = self._send(flat, False, device, dtype)
             for m, rows in enumerate(self.micro_rows):
                 part = home_flat[m]
                 outputs[m][k] = rows.to_padded([part], [list(range(len(rows.sequences)))]) if rows.sequences \
@@ -245,7 +245,7 @@ class TreeWindow:
                 parts = [rows.flat(g[k]).to(dtype) if g[k] is not None
                          else torch.zeros(len(rows.rows), dtype=dtype, device=device)
                          for rows, g in zip(self.micro_rows, p.grads)]
-                mine = self._send(torch.cat(parts), self.home, self.owned, device, dtype)
+                mine = self._send(torch.cat(parts), True, device, dtype)
                 padded.append(owned.to_padded([torch.cat(mine)], [list(range(len(owned.sequences)))])
                               if owned.sequences else None)
             if owned.sequences:
@@ -262,15 +262,15 @@ class TreeWindow:
             return []
         return [next((d[k] for d in every if d[k] is not None), None) for k in range(len(every[0]))]
 
-    def _send(self, flat: torch.Tensor | None, sources: list[int], targets: list[int], device: torch.device,
+    def _send(self, flat: torch.Tensor | None, to_owners: bool, device: torch.device,
               dtype: torch.dtype) -> list[torch.Tensor]:
-        """Move per-token values of rows ``sources`` (this rank's, ``flat`` in their order) to the
-        ranks that hold them as ``targets``; returns what arrives here for ``targets``, in their
-        order: one tensor per micro-step when the targets are this rank's home rows, else one per
-        owned row."""
-        to_owner = targets is self.owned  # gradients going back to the trees' owners
-        dest_of = (lambda g: self.owner[g]) if to_owner else (lambda g: self.rows[g].rank)
-        src_of = (lambda g: self.rows[g].rank) if to_owner else (lambda g: self.owner[g])
+        """Move per-token values between the rows' two places: from the trees' owners to the rows'
+        home ranks (results; ``flat`` in owned-row order, None where this rank owns nothing), or back
+        (``to_owners``: loss gradients, ``flat`` in home-row order). Returns what arrives here in the
+        receiving order: one tensor per micro-step at home, one per row at the owner."""
+        sources, targets = (self.home, self.owned) if to_owners else (self.owned, self.home)
+        dest_of = (lambda g: self.owner[g]) if to_owners else (lambda g: self.rows[g].rank)
+        src_of = (lambda g: self.rows[g].rank) if to_owners else (lambda g: self.owner[g])
         counts = [self.rows[g].scored for g in sources]
         if flat is None:
             flat = torch.zeros(sum(counts), dtype=dtype, device=device)
@@ -290,7 +290,7 @@ class TreeWindow:
             s, n = src_of(g), self.rows[g].scored
             by_target.append(received[s][cursor[s] : cursor[s] + n])
             cursor[s] += n
-        if to_owner:
+        if to_owners:
             return by_target
         out, start = [], 0
         for m, rows in enumerate(self.micro_rows):
