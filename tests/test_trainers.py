@@ -94,6 +94,21 @@ def test_rloo_matches_trl(checkpoint, mode):
     compare("rloo", checkpoint, mode)
 
 
+@pytest.mark.parametrize("kind,mode,overrides", [
+    ("grpo", "packed", {"gradient_accumulation_steps": 4}),
+    ("grpo", "dfs", {"gradient_accumulation_steps": 2, "steps_per_generation": 4, "loss_type": "dapo"}),
+    ("rloo", "packed", {"gradient_accumulation_steps": 4}),
+])
+def test_accumulation_windows_match_trl(checkpoint, kind, mode, overrides):
+    """Micro-batches of 2 rows cut every group of 4; tree_window='accumulation' computes each
+    optimizer step's micro-steps as one set of trees and gives TRL's update on TRL's own micro-batches
+    (tree_shuffle='rows'), also with two optimizer steps per generation batch."""
+    trainer = compare(kind, checkpoint, mode, tree_fields={"tree_window": "accumulation", "tree_shuffle": "rows"},
+                      per_device_train_batch_size=2, **overrides)
+    logs = [h for h in trainer.state.log_history if "tree/rank_imbalance" in h]
+    assert logs and all(h["tree/dedup_ratio"] > 1.5 for h in logs), "the windows did not fuse the micro-steps"
+
+
 @pytest.mark.parametrize("mode", ["packed", "dfs"])
 def test_grpo_lora_matches_trl(checkpoint, mode):
     """LoRA through ``peft_config``; the reference is the base model with the adapter disabled."""
