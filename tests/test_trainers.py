@@ -266,17 +266,21 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_compile_layers="yes")
 
 
-@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
-def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, buckets):
+@pytest.mark.parametrize("mode,buckets", [("packed", False), ("packed", True), ("dfs", False)],
+                         ids=["exact", "buckets", "dfs"])
+def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, buckets):
     """``tree_cuda_graphs=True``: with num_iterations = 2 every micro-batch's layout comes back, so its
-    second pass replays the captured graphs (the CPU stand-in of ``trl_tree.graphs``); the update is
-    still TRL's (float64), gradient accumulation included."""
+    second pass replays the captured graphs (the CPU stand-in of ``trl_tree.graphs``; in dfs mode the
+    walk's units, ``trl_tree.dfs.graphs``); the update is still TRL's (float64), gradient
+    accumulation included."""
     from trl_tree import graphs
 
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
-    trainer = compare("grpo", checkpoint, "packed",
+    trainer = compare("grpo", checkpoint, mode,
                       tree_fields={"tree_cuda_graphs": True, "tree_cuda_graph_buckets": buckets})
     assert graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)].captures > 0
+    with pytest.raises(ValueError, match="tree_keep_graph=True .* replayed units"):
+        TreeGRPOConfig(output_dir="x", use_cpu=True, tree_cuda_graphs=True, tree_mode="dfs", tree_keep_graph=True)
     with pytest.raises(ValueError, match="tree_cuda_graphs must be True or False"):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_cuda_graphs="yes")
     with pytest.raises(ValueError, match="tree_cuda_graph_buckets must be True or False"):

@@ -394,8 +394,6 @@ def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, pred_src: np.ndarr
 def _check_cuda_graphs(cuda_graphs: bool | str, mode: str) -> None:
     if not isinstance(cuda_graphs, bool) and cuda_graphs != "buckets":
         raise TypeError(f"cuda_graphs must be True, False or 'buckets', got {cuda_graphs!r}")
-    if cuda_graphs and mode == "dfs":
-        raise ValueError("cuda_graphs=True replays packed calls; the depth-first walk (mode='dfs') runs eagerly")
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
@@ -419,21 +417,25 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
 
 
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
-              chunk_size: int | None, keep_graph: bool, memory_budget: int | None, forward_only: bool = False):
+              chunk_size: int | None, keep_graph: bool, memory_budget: int | None, forward_only: bool = False,
+              cuda_graphs: bool | str = False):
     """The walk; without ``chunk_size`` its groups are sized by the memory model (``GroupBudget``):
-    one forward+backward of the longest sequence, or ``memory_budget`` when given."""
+    one forward+backward of the longest sequence, or ``memory_budget`` when given. ``cuda_graphs``:
+    its units replay CUDA graphs where captured (``dfs/graphs.py``)."""
     from .cost_model import GroupBudget
+    from .dfs.graphs import walk_graphs
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
     backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype,
                                   **attention_features(parts.causal_lm.config))
+    graphs = walk_graphs(parts, backend) if cuda_graphs else None
     group_tokens = None
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(
             forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
             dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
             forward_only=forward_only)
-    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens)
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs)
 
 
 def _checkpointing(parts: ModelParts) -> bool:
@@ -478,7 +480,9 @@ def tree_logprobs(
     forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default);
     ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
     graphs of their layout padded to buckets (``attention/buckets.py``; pays where the host is the
-    bound — small models — and costs the padding elsewhere).
+    bound — small models — and costs the padding elsewhere). With ``mode="dfs"`` (grad enabled or
+    not) the walk's units replay CUDA graphs once their shape has been seen before, "buckets" as
+    True (``dfs/graphs.py``).
     ``rope_length``: for a RoPE whose frequencies depend on the length (dynamic NTK, LongRoPE), the
     length they are chosen for — a trainer passes its padded batch's width, which is what the
     untreed padded forward shows them; None: the longest sequence. Other models ignore it.
@@ -551,7 +555,7 @@ def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy
         rope_length, lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
-                         forward_only=True)
+                         forward_only=True, cuda_graphs=cuda_graphs)
         rows = walk.logprobs(return_entropy)
         gather = torch.from_numpy(plan.gather).to(parts.device)
         logp, ent, values = (x.index_select(0, gather) if x is not None else None for x in rows)
@@ -599,8 +603,9 @@ def tree_backward(
     memory of the whole path); ``None`` (default) keeps it when the model uses gradient
     checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
     ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``; ``keep_attention``
-    as there (packed mode under gradient checkpointing); ``cuda_graphs`` as there (packed mode; the
-    loss stays eager, only the model's forward and backward are replayed); ``rope_length`` and
+    as there (packed mode under gradient checkpointing); ``cuda_graphs`` as there (the loss stays
+    eager, only the model's forward and backward are replayed; with ``mode="dfs"``, unit by unit,
+    and pushed nodes are recomputed at their pop, so ``keep_graph=True`` is refused); ``rope_length`` and
     ``lm_head_fp32`` as there; ``router`` after ``router.set_backward(grad)``: the MoE
     load-balancing loss's share of every piece is back-propagated with it (``trl_tree.router``).
     ``value_head``: a critic's head on the policy's trunk, read in the same forward (see
@@ -646,11 +651,16 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
         model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
         rope_length, lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
-        if keep_graph is None:
-            keep_graph = _checkpointing(parts)
-        elif not isinstance(keep_graph, bool):
+        if keep_graph is not None and not isinstance(keep_graph, bool):
             raise TypeError(f"keep_graph must be True, False or None, got {keep_graph!r}")
-        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget)
+        if keep_graph and cuda_graphs:
+            raise ValueError("keep_graph=True keeps a pushed node's graph across its subtree, which replayed units "
+                             "cannot (they share one memory pool, one unit's activations at a time); use "
+                             "keep_graph=None or False with cuda_graphs")
+        if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
+            keep_graph = _checkpointing(parts) and not cuda_graphs
+        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget,
+                         cuda_graphs=cuda_graphs)
         total = walk.backward(token_loss, keep_graph, with_entropy)
         if not math.isfinite(total):
             raise FloatingPointError(f"token_loss gave a non-finite loss ({total}) in mode='dfs'; the gradients "

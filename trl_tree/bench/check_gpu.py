@@ -77,9 +77,12 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
                 kind = "buckets" if graphs == "buckets" else True
                 for _ in range(3):
                     model.zero_grad(set_to_none=True)
-                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind)
+                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw)
                 grads = _grads(model)
-                logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=kind)  # the same graphs, replayed
+                # packed: the same graphs, replayed; dfs: the forward-only walk's own unit graphs (eager,
+                # captured, replayed)
+                for _ in range(3 if mode == "dfs" else 1):
+                    logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw)
             finally:
                 graph_module.EXACT_LAYOUTS = saved
             return [lp.detach() for lp in logps], grads
@@ -93,8 +96,9 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     """(backend, mode, root split, checkpointed, graphs, label): every backend packed and dfs; the
     packed FlashAttention path whole and split at the roots (``attention/root_split.py``), split under
     gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
-    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds), and
-    replaying the graphs of the layout padded to buckets (``attention/buckets.py``)."""
+    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds),
+    replaying the graphs of the layout padded to buckets (``attention/buckets.py``), and the walk
+    replaying its units' graphs (``dfs/graphs.py``)."""
     paths = []
     for b in BACKENDS:
         if b in PARTIAL_KERNELS:
@@ -107,7 +111,10 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
             paths.append((b, "packed", None, True, "buckets", f"packed/{b}+ckpt+graphs+buckets"))
         else:
             paths.append((b, "packed", None, False, False, f"packed/{b}"))
-    return paths + [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
+    paths += [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
+    # the walk's units replayed (trl_tree/dfs/graphs.py), plain and under checkpointing
+    return paths + [(b, "dfs", None, ckpt, True, f"dfs/{b}{'+ckpt' if ckpt else ''}+graphs")
+                    for b in DFS_BACKENDS for ckpt in (False, True)]
 
 
 def _check_model(config, paths, device: torch.device, kernels: str, attn_implementation: str = "sdpa"
@@ -160,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only smoke-tests the script")
+    parser.add_argument("--paths", default=None,
+                        help="check only the paths whose label contains one of these comma-separated strings "
+                        "(e.g. dfs,graphs); the untreed reference always runs")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    wanted = args.paths.split(",") if args.paths else None
+
+    def chosen(paths):
+        return [p for p in paths if wanted is None or any(w in p[5] for w in wanted)]
+
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("check_gpu needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -170,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     partial.DENSE_AT_SIGHTING = 1  # every cuDNN block from its first call: this checks numbers, not plan costs
 
     results, ok_all = [], True
-    for heads, paths in ((2, _paths()), (4, [p for p in _paths() if p[4]])):
+    for heads, paths in ((2, chosen(_paths())), (4, chosen([p for p in _paths() if p[4]]))):
         # head_dim 128 (as Qwen2.5-1.5B/7B): the size at which the split and the dfs prefix run on cuDNN;
         # head_dim 64 (as Qwen2.5-0.5B): where only replayed graphs run the split's blocks on cuDNN
         config = tiny_config(
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("gemma2_softcap", tiny_config("gemma2", **{**shape, "sliding_window": 64, "query_pre_attn_scalar": 128,
                                                            "attn_logit_softcapping": 50.0}), "eager"))
     for name, config, implementation in variants:  # the eager paths (graphs replay the same kernels)
-        ok, rows = _check_model(config, [p for p in _paths() if not p[4]], device, args.kernels, implementation)
+        ok, rows = _check_model(config, chosen([p for p in _paths() if not p[4]]), device, args.kernels, implementation)
         ok_all &= ok
         results += [{"head_dim": f"128/{name}", **r} for r in rows]
     print(f"{'hd':>3} {'workload':22} {'path':40} {'dtype':5} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'grad rel':>10}  verdict")

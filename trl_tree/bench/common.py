@@ -17,6 +17,17 @@ import torch
 from ..cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
 
 
+def drop_graphs(model: torch.nn.Module) -> None:
+    """Forget ``model``'s captured CUDA graphs (packed calls and walk units): their memory pool and
+    the walk's kept K/V stack are freed, so the next graphed path's memory is its own."""
+    from .. import graphs
+    from ..dfs import graphs as dfs_graphs
+
+    graphs._RUNNERS.pop(model, None)
+    dfs_graphs._WALK_GRAPHS.pop(model, None)
+    gc.collect()
+
+
 def time_cuda(
     fn: Callable[[], object], warmup: int = 3, iters: int = 5, reset: Callable[[], object] | None = None
 ) -> tuple[float, float, float]:

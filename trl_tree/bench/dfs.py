@@ -35,10 +35,11 @@ def agentic_tree(vocab: int, system: int = 4800, first_turn: int = 2400, turns=(
     return paths
 
 
-def walk_shape(forest: PrefixForest, score_from: int, config, path: str) -> dict:
+def walk_shape(forest: PrefixForest, score_from: int, config, path: str, graphs: bool = False) -> dict:
     """Model calls of a benchmarked walk and the memory model's estimate of its largest group,
-    planned as ``tree_backward`` plans it (bf16, gradient checkpointing)."""
-    keep_graph = path != "dfs recompute"
+    planned as ``tree_backward`` plans it (bf16, gradient checkpointing; ``graphs``: replayed units,
+    which recompute pushed nodes)."""
+    keep_graph = path != "dfs recompute" and not graphs
     chunk = 1024 if path == "dfs chunk 1024" else None
     scoring = forest.scoring_plan(score_from)
     budget = GroupBudget.for_forest(forest, config, True, keep_graph,

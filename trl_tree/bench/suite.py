@@ -28,7 +28,8 @@ from .. import PrefixForest, engine, tree_backward
 from ..attention.metadata import use_root_split
 from ..attention.root_split import RootSplitLayout
 from ..model_parts import model_parts
-from .common import StepCost, add_kernels_arg, bench_model, dump, environment, padded_step, step_flops, time_cuda
+from .common import (StepCost, add_kernels_arg, bench_model, drop_graphs, dump, environment, padded_step, step_flops,
+                     time_cuda)
 from .profile import gpu_ms_by_kind, kernel_table, profile_step
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
@@ -43,10 +44,11 @@ def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepC
     return base, tree
 
 
-def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None) -> dict:
+def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None,
+                 only: set[str] | None = None) -> dict:
     """Time every path on workload ``w``; with ``profile_tables``, also profile one step of TRL's
     padded path and of the packed tree (GPU time by kind of kernel in their rows, per-kernel
-    tables appended to the list)."""
+    tables appended to the list); ``only``: these paths (and the baseline)."""
     seqs, P = w.sequences, w.score_from
     forest = PrefixForest.from_sequences(seqs)
     flat = PrefixForest.from_sequences(seqs, share_prefixes=False)
@@ -93,14 +95,23 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
+        # the walk's units replaying CUDA graphs (trl_tree/dfs/graphs.py; captured in the warm-up)
+        paths["tree_dfs_graphs"] = tree(forest, "dfs", cuda_graphs=True)
         paths["longest_single"] = padded_step(model, [seqs[longest]], adv[longest : longest + 1], P, n_terms)
+    if only:
+        paths = {k: v for k, v in paths.items() if k in only or k == base_path}
     rows = []
     for name, fn in paths.items():
+        if name.endswith("_graphs"):  # each graphed path's pool and kept stack counted in its own figures
+            drop_graphs(model)
         torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
         try:
             ms, peak, act = time_cuda(fn, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
             rows.append({"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 3),
-                         "activation_peak_gib": round(act, 3)})
+                         "activation_peak_gib": round(act, 3),
+                         # what the path left reserved: a graph pool and a kept K/V stack are not in the peaks
+                         "reserved_gib": round((torch.cuda.memory_reserved() - reserved) / 2**30, 3)})
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
         except Exception as e:  # one path failing (e.g. TRL's packer under compiled layers) must not lose the rest
@@ -123,14 +134,17 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     by["tree_packed"]["root_split"] = split
     pf, tp = by.get("padding_free", {}).get("ms"), by["tree_packed"].get("ms")
     single = by.get("longest_single", {})
-    dfs = by.get("tree_dfs", {})
-    if "ms" in dfs:
-        from .dfs import walk_shape
+    for walk in ("tree_dfs", "tree_dfs_graphs"):
+        dfs = by.get(walk, {})
+        if "ms" in dfs:
+            from .dfs import walk_shape
 
-        dfs.update(walk_shape(forest, P, model.config, "dfs"))
-    for key in ("peak_gib", "activation_peak_gib"):
-        if single.get(key) and key in dfs:
-            dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
+            dfs.update(walk_shape(forest, P, model.config, "dfs", graphs=walk.endswith("graphs")))
+            if tp:
+                dfs["over_packed"] = round(dfs["ms"] / tp, 3)
+        for key in ("peak_gib", "activation_peak_gib"):
+            if single.get(key) and key in dfs:
+                dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
     return {"workload": w.name, "description": w.description, "baseline": base_path, "num_sequences": len(seqs),
             "T": T, "U": U,
             "T_over_U": round(T / U, 3), "longest": int(forest.max_depth), "flop_limit": round(limit, 3),
@@ -150,9 +164,9 @@ def markdown(payload: dict) -> str:
              "(activations and temporaries; `time_cuda`).", "",
              "| model | workload | T | U | T/U | limit | TRL padded | padding-free | tree packed | speed-up | "
              "÷ limit | packed, CUDA graphs (speed-up, ÷ limit) | attention recomputed (act. peak) | "
-             "root split (packed the other way) | TRL trie packer | tree dfs | "
-             "dfs act. peak ÷ longest single | act. peak TRL → packed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "root split (packed the other way) | TRL trie packer | tree dfs (speed-up, ÷ packed) | "
+             "dfs, CUDA graphs (speed-up, ÷ packed) | dfs act. peak ÷ longest single | act. peak TRL → packed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for size, results in payload["results"].items():
         for r in results:
             by = {x["path"]: x for x in r["rows"]}
@@ -164,9 +178,14 @@ def markdown(payload: dict) -> str:
             key = "activation_peak_gib" if "activation_peak_gib" in tp else "peak_gib"  # older payloads
             base_row = by.get(r.get("baseline", "trl_padded"), {})
             peak = f"{base_row.get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
-            dfs_cell = f"{ms('tree_dfs')} ({dfs['speedup']:.2f}×)" if "speedup" in dfs else ms("tree_dfs")
-            if "calls" in dfs:
-                dfs_cell += f", {dfs['calls']} call{'s' if dfs['calls'] != 1 else ''}"
+            def walk_cell(path):
+                x = by.get(path, {})
+                if "speedup" not in x:
+                    return ms(path)
+                cell = f"{ms(path)} ({x['speedup']:.2f}×" + (f", {x['over_packed']:.2f}" if "over_packed" in x else "")
+                calls = x.get("calls")
+                return cell + ")" + (f", {calls} call{'s' if calls != 1 else ''}" if calls else "")
+            dfs_cell, dfs_graphs_cell = walk_cell("tree_dfs"), walk_cell("tree_dfs_graphs")
             trie = by.get("trl_trie_packer", {})
             trie_cell = f"{ms('trl_trie_packer')} ({trie['speedup']:.2f}×)" if "speedup" in trie else ms("trl_trie_packer")
             graphed = by.get("tree_packed_graphs", {})
@@ -183,7 +202,7 @@ def markdown(payload: dict) -> str:
                 f"{ms(r.get('baseline', 'trl_padded'))}{' (per sequence)' if r.get('baseline') == 'per_sequence' else ''} | "
                 f"{ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
                 f"{tp.get('fraction_of_flop_limit', 0):.2f} | {graphs_cell} | {rec_cell} | {split_cell} | {trie_cell} | "
-                f"{dfs_cell} | "
+                f"{dfs_cell} | {dfs_graphs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
     w5 = [f"{size} {r['tree_over_padding_free']:.3f}" for size, res in payload["results"].items()
@@ -248,8 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None,
                         help="also profile TRL's and the packed tree's step: GPU time by kernel kind in the JSON, "
                         "per-kernel tables written here")
+    parser.add_argument("--no-dfs", action="store_true", help="leave out the depth-first walk's paths")
+    parser.add_argument("--paths", default=None,
+                        help="comma-separated paths to time (the baseline always runs), e.g. "
+                        "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
+    only = set(args.paths.split(",")) if args.paths else None
     if args.report:
         with open(args.report) as f:
             write_reports(json.load(f), args.report)
@@ -266,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         for w in suite_workloads(model.config.vocab_size):
             if w.name in wanted:
                 bar.set_postfix_str(f"{size} {w.name}")
-                results[size].append(run_workload(model, w, args.iters, dfs=w.name in ("W1", "W4"),
-                                                  profile_tables=tables))
+                results[size].append(run_workload(model, w, args.iters, dfs=not args.no_dfs,
+                                                  profile_tables=tables, only=only))
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))

@@ -68,6 +68,29 @@ class KVStack:
             self.dv[layer] = torch.zeros_like(self.dk[layer])
         return self.dk[layer], self.dv[layer]
 
+    # ------------------------------------------------ a stack kept between walks (``dfs/graphs.py``)
+    def allocated(self, grads: bool) -> bool:
+        """Every layer's K/V buffers exist (a walk has run on the stack), and with ``grads`` its
+        gradient buffers (a walk with a backward has)."""
+        return all(b is not None for b in (*self.k, *self.v, *((*self.dk, *self.dv) if grads else ())))
+
+    def zero_grads(self) -> None:
+        """Empty every gradient slot: a walk that stopped half-way may have left gradients there
+        (a complete walk consumes each one at its owner's pop)."""
+        grads = [g for g in (*self.dk, *self.dv) if g is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def saved_grads(self, slots: int) -> list[torch.Tensor]:
+        """A copy of the gradient slots ``[0, slots)`` of every layer (dK then dV)."""
+        slots = min(slots, self.grad_slots)
+        return [g[:slots].clone() for g in (*self.dk, *self.dv)]
+
+    def restore_grads(self, saved: list[torch.Tensor]) -> None:
+        """Put back what :meth:`saved_grads` copied."""
+        for g, s in zip((*self.dk, *self.dv), saved):
+            g[: s.shape[0]].copy_(s)
+
 
 @dataclass(eq=False)
 class UnitAttentionMetadata:
@@ -90,6 +113,7 @@ class UnitAttentionMetadata:
     prefix_cu_k: torch.Tensor  # [0, depth]
     subtree_end: torch.Tensor  # [n] unit-relative, for the explicit mask of the reference backends
     one_segment: bool = False  # the unit is one node: its own part is a single causal segment
+    graphed: bool = False  # replayed from a CUDA graph (``dfs/graphs.py``): dense shapes need no sightings
     calls: int = 0
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -184,17 +208,20 @@ def _reference_attention(meta: UnitAttentionMetadata, q, k_all, v_all, scaling, 
 def _kernel_pairs(meta: UnitAttentionMetadata, q: torch.Tensor):
     """(own part, prefix part) kernel pairs: the cached prefix is one dense rectangle and a
     one-node unit one causal block — both run on the dense pair (cuDNN) where it runs here and
-    has seen the shape before (``partial.dense_shape_seen``: cuDNN plans every new shape). Chosen
+    has seen the shape before (``partial.dense_shape_seen``: cuDNN plans every new shape), or in
+    a graphed unit (planned once at the capture, as the packed call's replayed blocks). Chosen
     at the unit's first layer, so every layer, the recompute and the backward use the same pairs."""
     if meta.pairs is None:
         varlen = PARTIAL_KERNELS[meta.backend]
         n, d = meta.num_tokens, meta.depth
         model = (*q.shape[1:], str(q.dtype))
-        own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n) if meta.one_segment else None
-        prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d) if d else None
-        if own is not None and not dense_shape_seen(meta.backend, ("unit", n, *model)):
+        g = meta.graphed
+        own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n, g) if meta.one_segment else None
+        prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d, g) if d else None
+        # a captured graph plans its shapes once, at the capture, and replays them
+        if own is not None and not g and not dense_shape_seen(meta.backend, ("unit", n, *model)):
             own = None
-        if prefix is not None and not dense_shape_seen(meta.backend, ("prefix", n, d, *model)):
+        if prefix is not None and not g and not dense_shape_seen(meta.backend, ("prefix", n, d, *model)):
             prefix = None
         meta.pairs = (own or varlen, prefix or varlen)
     return meta.pairs

@@ -35,6 +35,7 @@ from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
 from .plan import WalkPlan, plan_walk
+from .graphs import UnitReplay, WalkGraphs
 from .stack import KVStack, UnitAttentionMetadata
 
 DFS_BACKENDS = ("torch_flash", "sdpa", "eager")
@@ -70,17 +71,21 @@ class DepthFirstWalk:
     """
 
     def __init__(self, parts: ModelParts, forest: PrefixForest, scoring: ScoringPlan, backend: str,
-                 temperature: float, chunk_size: int | None, group_tokens: Callable[[int], int] | None = None
-                 ) -> None:
+                 temperature: float, chunk_size: int | None, group_tokens: Callable[[int], int] | None = None,
+                 graphs: WalkGraphs | None = None) -> None:
         self.parts = parts
         self.scoring = scoring
         self.backend = backend
         self.temperature = temperature
         self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens)
         self.device = parts.device
+        self.graphs = graphs  # replay units from CUDA graphs where captured (``dfs/graphs.py``)
         units = self.plan.units
         grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)
-        self.stack = KVStack(parts.num_layers, self.plan.stack_size, grad_slots)
+        if graphs is not None:  # the model's kept stack: the graphs are captured against its buffers
+            self.stack = graphs.stack_for(parts.num_layers, self.plan.stack_size, grad_slots)
+        else:
+            self.stack = KVStack(parts.num_layers, self.plan.stack_size, grad_slots)
         self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device)
         self._upload_scoring()
         install(parts.causal_lm.config._attn_implementation)
@@ -132,13 +137,19 @@ class DepthFirstWalk:
         With ``head``, the LM head is a constant here and ``head`` records what its gradient needs.
         ``with_entropy``: ``token_loss`` also takes the entropies (differentiable)."""
         logp, ent, values = self._score(u, hidden, with_entropy, head_grad=head is None)
-        if head is not None:
-            logp, ent = head.record(self.rows[u], hidden.index_select(0, self.src[u]), logp, ent)
         # zero-valued, but connects every layer and the heads like the untreed graph does
         anchor = hidden.sum() * 0
         for scored in (logp, values):
             if scored is not None:
                 anchor = anchor + scored.sum() * 0
+        hidden_rows = hidden.index_select(0, self.src[u]) if head is not None else None
+        return self._terms_loss(u, logp, ent, values, anchor, hidden_rows, token_loss, head, with_entropy)
+
+    def _terms_loss(self, u: int, logp, ent, values, anchor: torch.Tensor, hidden_rows: torch.Tensor | None,
+                    token_loss: Callable, head: _DeferredHead | None, with_entropy: bool) -> torch.Tensor:
+        """The unit's loss from its scored rows (eager or replayed): its terms plus ``anchor``."""
+        if head is not None:
+            logp, ent = head.record(self.rows[u], hidden_rows, logp, ent)
         if self.term_row[u].shape[0] == 0:
             return anchor.float() + self._router_term()
         rows = self.term_row[u]
@@ -165,15 +176,30 @@ class DepthFirstWalk:
 
         out = (buffer(parts.scores_logps), buffer(parts.scores_logps and with_entropy),
                buffer(parts.value_head is not None))
+        replay = self._replay(with_entropy)
         for step in self.plan.steps:
             if step.op == "pop":
                 continue
-            hidden = self._forward(step.unit)
-            if self.rows[step.unit].shape[0]:
-                for target, scored in zip(out, self._score(step.unit, hidden, with_entropy)):
-                    if target is not None:
-                        target[self.rows[step.unit]] = scored
+            u = step.unit
+            scores = replay.forward(self.metas[u], self.src[u], self.targets[u]) if replay is not None else None
+            if scores is None:
+                hidden = self._forward(u)
+                if not self.rows[u].shape[0]:
+                    continue
+                scores = self._score(u, hidden, with_entropy)
+            for target, scored in zip(out, scores):
+                if target is not None:
+                    target[self.rows[u]] = scored
+        if self.graphs is not None:
+            self.graphs.dirty = False
         return out
+
+    def _replay(self, with_entropy: bool) -> UnitReplay | None:
+        """The unit graphs for this walk (None without); the kept stack is marked in use."""
+        if self.graphs is None:
+            return None
+        self.graphs.dirty = True
+        return UnitReplay(self.graphs, self.parts, self.temperature, with_entropy)
 
     def backward(self, token_loss: Callable, keep_graph: bool, with_entropy: bool = False) -> float:
         """Forward, loss and backward of every unit in depth-first order, then the LM head's weight
@@ -183,8 +209,26 @@ class DepthFirstWalk:
         kept: dict[int, torch.Tensor] = {}
         head = (_DeferredHead(self.scoring.num_predictions, self.device, with_entropy) if self._head_trains()
                 else None)
+        replay = self._replay(with_entropy)  # replayed pushes are recomputed at their pop (engine: no keep_graph)
         for step in self.plan.steps:
             u = step.unit
+            if replay is not None and step.op == "push":
+                if replay.forward(self.metas[u], self.src[u], self.targets[u]) is None:
+                    with torch.no_grad():
+                        self._forward(u)
+                continue
+            if replay is not None:
+                with torch.enable_grad():
+                    scores = replay.train(self.metas[u], self.src[u], self.targets[u], head_grad=head is None)
+                    if scores is None:
+                        loss = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
+                    else:
+                        logp, ent, anchor, hidden_rows = scores
+                        loss = self._terms_loss(u, logp, ent, None, anchor, hidden_rows, token_loss, head,
+                                                with_entropy)
+                loss.backward()
+                total += loss.detach().double()
+                continue
             if step.op == "push":
                 if keep_graph:
                     with torch.enable_grad():
@@ -201,8 +245,11 @@ class DepthFirstWalk:
             if loss.requires_grad:
                 loss.backward()
             total += loss.detach().double()
-        if head is not None:
+        if self.graphs is not None:
+            self.graphs.dirty = False  # every gradient slot was consumed at its owner's pop
+        elif head is not None:
             self.stack.release()  # the head call below is then the only thing alive besides the gradients
+        if head is not None:
             head.backward(self.parts, self.all_targets, self.temperature)
         return float(total)
 

@@ -102,7 +102,9 @@ class TreeArguments:
     tree_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "Replay CUDA graphs of the packed training forward and backward (trl_tree.graphs) for "
-                  "micro-batch layouts seen before (captured at the second sighting; the loss stays eager). Pays "
+                  "micro-batch layouts seen before (captured at the second sighting; the loss stays eager); in dfs "
+                  "mode, of every unit of the walk whose shape was seen before (trl_tree/dfs/graphs.py: one process, "
+                  "tree_keep_graph not True). Pays "
                   "where the host is the bottleneck (small models; docs/benchmarks/README.md, CUDA graphs) and only "
                   "when layouts repeat (num_iterations > 1, fixed-length rollouts). Under DDP the call "
                   "runs outside the wrapper and the gradients are averaged by hand (not FSDP/DeepSpeed). Costs one "
@@ -157,6 +159,9 @@ class TreeArguments:
             raise ValueError(f"tree_memory_budget must be a non-negative int (bytes) or None, got {budget!r}")
         if self.tree_keep_graph not in (None, True, False):
             raise ValueError(f"tree_keep_graph must be True, False or None, got {self.tree_keep_graph!r}")
+        if self.tree_keep_graph and self.tree_cuda_graphs and self.tree_mode == "dfs":
+            raise ValueError("tree_keep_graph=True keeps a pushed node's graph across its subtree, which the walk's "
+                             "replayed units cannot (tree_cuda_graphs=True); leave tree_keep_graph at None")
         for name in ("tree_keep_attention", "tree_compile_layers", "tree_cuda_graphs", "tree_cuda_graph_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -491,11 +491,11 @@ class TreeTrainerMixin:
         return bool(self._cuda_graphs()) and self.accelerator.num_processes > 1
 
     def _cuda_graphs(self) -> bool | str:
-        """The engine's ``cuda_graphs`` for this trainer's packed calls: False (off, or dfs mode, which
-        never replays), True, or ``"buckets"`` (``tree_cuda_graph_buckets``)."""
-        if not self.args.tree_cuda_graphs or self.args.tree_mode == "dfs":
+        """The engine's ``cuda_graphs`` for this trainer's calls: False (off), True, or ``"buckets"``
+        (``tree_cuda_graph_buckets``; packed calls only: the walk replays units of repeated shapes)."""
+        if not self.args.tree_cuda_graphs:
             return False
-        return "buckets" if self.args.tree_cuda_graph_buckets else True
+        return "buckets" if self.args.tree_cuda_graph_buckets and self.args.tree_mode != "dfs" else True
 
     def _tree_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      batch_size: int | None) -> tuple[PaddedRows, list[list[int]], list[PrefixForest]]:

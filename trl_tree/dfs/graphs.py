@@ -1,0 +1,330 @@
+"""CUDA-graph replay of the depth-first walk's units (``cuda_graphs=True`` with ``mode="dfs"``).
+
+Why: the walk calls the whole model once per unit, and on small and medium models each call costs
+more host time (Python, dispatcher, autograd: thousands of kernel launches) than GPU time, so the
+GPU idles between units (docs/benchmarks/notes.md §8-9). Units of one shape repeat — the equal
+groups a GRPO group's completions are cut into, the same forest in the next micro-batch or the
+next ``num_iterations`` pass, an agent's turns of fixed shape — and replaying their kernels from a
+CUDA graph takes the host out.
+
+What is captured, per *unit signature* (every Python-level number the unit's forward reads: its
+tokens, depth, scored rows, segment counts and maximum lengths, plus the call's state as for the
+packed graphs: backend, temperature, checkpointing, autocast, train/eval and adapter switches):
+
+- a *forward* graph — the unit's forward without autograd (a pushed node's forward, a forward-only
+  walk's units): writes the unit's K/V into the stack and scores its rows;
+- a *train* pair — the unit's forward with autograd to its rows' scores, and its backward from
+  static score gradients into the parameters' gradient buffers and the stack's K/V gradient slots.
+  The token loss stays eager between the two, as in the packed graphs (``trl_tree.graphs``): any
+  elementwise loss, closing over any tensors, gives the eager numbers.
+
+What a replay relies on, and how it is kept:
+
+- The K/V stack is static memory: one per model, kept between walks, grown (and every unit graph
+  dropped) when a walk needs more slots. A walk on a new stack runs eagerly, which allocates its
+  buffers outside any capture.
+- All graphs share the packed runner's memory pool and gradient buffers (``graphs.GraphRunner``),
+  so a unit's backward must run before the next unit's forward: a pushed node is therefore
+  forwarded without a graph at its push and recomputed with one at its pop (``keep_graph=False``:
+  one more forward of inner nodes, the price of the replay).
+- Warm-up runs before a capture execute the unit's backward, which would add to the stack's
+  gradient slots and clear the unit's own; the slots are saved before and restored after.
+- Replays need nothing the host reads from the GPU; calls that do (a sliding window's per-node
+  paths) or that hooks record (a MoE router's loss), a critic's value head, a length-dependent
+  RoPE and several processes (the packed graphs' views of the parameters are not done here) run
+  their units eagerly — the same numbers, without the replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import graphs as packed_graphs
+from ..attention.dispatch import install
+from ..lm_head import score_rows
+from ..model_parts import ModelParts, activation_checkpointing
+from .stack import KVStack, UnitAttentionMetadata
+
+#: unit graphs kept per model (least recently used dropped first); they share one memory pool, so
+#: a graph costs its static inputs (the unit's token and index arrays), not its activations
+UNIT_GRAPH_CACHE_SIZE = 64
+#: stack slots are allocated in multiples of this, so that walks of slightly different sizes
+#: keep one stack (a new stack drops every unit graph)
+STACK_SLOT_QUANTUM = 1024
+#: unit shapes remembered as seen but not captured (least recently seen forgotten first)
+SIGHTINGS_KEPT = 4 * UNIT_GRAPH_CACHE_SIZE
+
+_META_SKIPPED = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed")
+
+
+@dataclass(eq=False)
+class _UnitGraph:
+    """One unit's graph (forward) or graph pair (train) and its static tensors."""
+
+    meta: UnitAttentionMetadata  # static: its tensors are the graph's inputs
+    src: torch.Tensor
+    targets: torch.Tensor
+    train: bool
+    outputs: tuple = ()  # static scores (log-probs[, entropies]) and, train: the zero anchor
+    hidden_rows: torch.Tensor | None = None  # static final hidden states of the rows (deferred LM head)
+    live: tuple = ()
+    grad_outputs: tuple = ()
+    forward: object = None
+    backward: object = None
+    generation: int = -1
+    walk: int = -1  # the last walk that used it
+
+
+@dataclass(eq=False)
+class WalkGraphs:
+    """The unit graphs of one model and the K/V stack they are captured against."""
+
+    runner: packed_graphs.GraphRunner
+    stack: KVStack | None = None
+    units: OrderedDict = field(default_factory=OrderedDict)
+    dirty: bool = False  # a walk started and has not finished: gradient slots may hold leftovers
+    walks: int = 0  # walks so far (a graph records the last one that used it)
+    sightings: OrderedDict = field(default_factory=OrderedDict)  # signature -> times seen, not captured
+
+    def stack_for(self, num_layers: int, slots: int, grad_slots: int) -> KVStack:
+        """The kept stack, or a larger new one (every unit graph dropped: they hold the old buffers)."""
+        s = self.stack
+        if s is None or len(s.k) != num_layers or s.slots < slots or s.grad_slots < grad_slots:
+            q = STACK_SLOT_QUANTUM
+            self.stack = KVStack(num_layers, -(-slots // q) * q, -(-grad_slots // q) * q)
+            self.units.clear()
+            self.dirty = False
+        elif self.dirty:
+            self.stack.zero_grads()
+        return self.stack
+
+
+_WALK_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def walk_graphs(parts: ModelParts, backend: str) -> WalkGraphs | None:
+    """This model's unit graphs, or None where its units cannot be replayed (they run eagerly)."""
+    if (parts.router is not None or parts.value_head is not None or parts.length_dependent_rope
+            or not parts.scores_logps or packed_graphs._grads_by_autograd_grad()):
+        return None
+    from ..attention.support import attention_features
+
+    features = attention_features(parts.causal_lm.config)
+    if features["window"] or features["softcap"] is not None or features["sinks"]:
+        return None
+    runner = packed_graphs._runner(parts)
+    packed_graphs.check_graphable(parts, backend, runner.params, runner.wrapper)
+    state = _WALK_GRAPHS.get(parts.causal_lm)
+    if state is None or state.runner is not runner:
+        state = WalkGraphs(runner)
+        _WALK_GRAPHS[parts.causal_lm] = state
+    return state
+
+
+def _meta_signature(meta: UnitAttentionMetadata) -> tuple:
+    out = []
+    for f in dataclasses.fields(meta):
+        if f.name in _META_SKIPPED:
+            continue
+        v = getattr(meta, f.name)
+        out.append((f.name, ("tensor", tuple(v.shape), v.dtype)) if isinstance(v, torch.Tensor) else (f.name, v))
+    return tuple(out)
+
+
+def _layout_tensors(meta: UnitAttentionMetadata) -> dict[str, torch.Tensor]:
+    """The metadata's tensors that are the unit's data (not its lazily built caches)."""
+    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
+            if f.name not in _META_SKIPPED and isinstance(getattr(meta, f.name), torch.Tensor)}
+
+
+def _static_meta(meta: UnitAttentionMetadata, stack: KVStack) -> UnitAttentionMetadata:
+    tensors = {name: t.clone() for name, t in _layout_tensors(meta).items()}
+    return dataclasses.replace(meta, **tensors, stack=stack, calls=0, pairs=None, _mask=None, _windowed={},
+                               graphed=True)
+
+
+def _copy_meta(static: UnitAttentionMetadata, new: UnitAttentionMetadata) -> None:
+    for name, t in _layout_tensors(static).items():
+        t.copy_(getattr(new, name))
+
+
+class UnitReplay:
+    """What a walk asks of the unit graphs: a replayed unit, or None (run it eagerly)."""
+
+    def __init__(self, state: WalkGraphs, parts: ModelParts, temperature: float, with_entropy: bool) -> None:
+        self.state, self.parts, self.temperature, self.with_entropy = state, parts, temperature, with_entropy
+        # a new stack's buffers are made by its first walk, eagerly: never inside a capture's warm-up
+        self.ready = {train: state.stack.allocated(grads=train) for train in (False, True)}
+        state.walks += 1
+        runner = state.runner
+        self.call_state = (float(temperature), with_entropy, activation_checkpointing(parts.causal_lm),
+                           torch.is_autocast_enabled(parts.device.type),
+                           packed_graphs._module_state(runner.modules, runner.adapters))
+
+    def _graph(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, train: bool,
+               head_grad: bool) -> _UnitGraph | None:
+        state = self.state
+        signature = ("dfs-unit", train, head_grad, meta.backend, *self.call_state, tuple(src.shape),
+                     _meta_signature(meta))
+        graph = state.units.get(signature)
+        if graph is None:
+            seen = state.sightings.pop(signature, 0) + 1
+            # a full cache whose oldest graph served this walk or the last one keeps its graphs: walks
+            # of more shapes than it holds would otherwise capture them all anew every time (LRU
+            # under cyclic access); the shapes it cannot hold run eagerly
+            full = (len(state.units) >= UNIT_GRAPH_CACHE_SIZE
+                    and next(iter(state.units.values())).walk >= state.walks - 1)
+            ready = self.ready[train]
+            if seen < packed_graphs.CAPTURE_AT_SIGHTING or not ready or full or not state.runner.params:
+                state.sightings[signature] = min(seen, packed_graphs.CAPTURE_AT_SIGHTING - 1) if ready else seen
+                while len(state.sightings) > SIGHTINGS_KEPT:
+                    state.sightings.popitem(last=False)
+                return None
+            graph = _UnitGraph(_static_meta(meta, state.stack), src.clone(), targets.clone(), train)
+            self._capture(graph, head_grad)
+            state.units[signature] = graph
+            while len(state.units) > UNIT_GRAPH_CACHE_SIZE:
+                state.units.popitem(last=False)
+        else:
+            state.units.move_to_end(signature)
+            _copy_meta(graph.meta, meta)
+            graph.src.copy_(src)
+            graph.targets.copy_(targets)
+        graph.walk = state.walks
+        return graph
+
+    def forward(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """A forward-only unit replayed: its K/V written into the stack, and its rows' ``(logps,
+        entropies)`` (None for entropies not asked); None: not captured (run it eagerly)."""
+        graph = self._graph(meta, src, targets, False, False)
+        if graph is None:
+            return None
+        self.state.runner.generation += 1  # the pool's activations are this graph's now
+        graph.forward.replay()
+        logp, *rest = graph.outputs
+        return logp, (rest[0] if self.with_entropy else None)
+
+    def train(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, head_grad: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """A training unit replayed: ``(logps, entropies, anchor, hidden_rows)`` whose backward replays
+        the unit's backward graph (``anchor``: a zero that reaches every layer, so the backward runs
+        even without loss terms; ``hidden_rows``: the rows' final hidden states, constant). None:
+        not captured (run it eagerly)."""
+        graph = self._graph(meta, src, targets, True, head_grad)
+        if graph is None:
+            return None
+        out = _ReplayedUnit.apply(self.state.runner, graph, *self.state.runner.params)
+        logp, *rest = out
+        ent = rest[0] if self.with_entropy else None
+        return logp, ent, rest[-1], graph.hidden_rows
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, graph: _UnitGraph, head_grad: bool) -> None:
+        """Warm up, then capture the unit's graph(s) into the runner's pool (see ``graphs._capture``
+        for why warm-up and capture run on the runner's stream)."""
+        from ..engine import tree_forward
+
+        parts, runner, meta, stack = self.parts, self.state.runner, graph.meta, self.state.stack
+        install(parts.causal_lm.config._attn_implementation)
+        with_entropy, temperature = self.with_entropy, self.temperature
+
+        def forward() -> tuple:
+            meta.calls = 0
+            meta._mask = None  # the reference backends' mask, built from the static tensors inside the graph
+            hidden = tree_forward(parts, meta.input_ids, meta)
+            logp, ent, _ = score_rows(hidden, parts, graph.src, graph.targets, temperature, with_entropy,
+                                      head_grad)
+            scored = (logp, ent) if with_entropy else (logp,)
+            if not graph.train:
+                live = scored
+            else:
+                anchor = hidden.sum() * 0  # zero-valued; connects every layer, like the eager walk's anchor
+                for s in scored:
+                    anchor = anchor + s.sum() * 0
+                live = (*scored, anchor.float())
+                rows = hidden.index_select(0, graph.src).detach()
+                if graph.hidden_rows is None:
+                    graph.hidden_rows = rows
+                else:  # a stand-in's rerun: leave the values where a graph's replay would
+                    graph.hidden_rows.copy_(rows)
+            graph.live = live
+            if graph.outputs:
+                for static, new in zip(graph.outputs, live):
+                    static.detach().copy_(new.detach())
+            return live
+
+        def backward(into_buffers: bool = True) -> None:
+            outputs = [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad]
+            saved = [p.grad for p in runner.params]
+            try:
+                for p, b in zip(runner.params, runner.grad_buffers):
+                    p.grad = b if into_buffers else None
+                torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
+            finally:
+                for p, g in zip(runner.params, saved):
+                    p.grad = g
+
+        device = parts.device
+        if graph.train:
+            if not runner.grad_buffers:
+                runner.grad_buffers = tuple(torch.zeros_like(p) for p in runner.params)
+            rows = graph.src.shape[0]
+            graph.grad_outputs = (*(torch.zeros(rows, dtype=torch.float32, device=device)
+                                    for _ in range(2 if with_entropy else 1)),
+                                  torch.zeros((), dtype=torch.float32, device=device))
+        if runner.pool is None and device.type == "cuda":
+            runner.pool = torch.cuda.graph_pool_handle()
+        if runner.stream is None and device.type == "cuda":
+            runner.stream = torch.cuda.Stream(device)
+        grad_mode = torch.enable_grad() if graph.train else torch.no_grad()
+        cuda = device.type == "cuda"
+        with grad_mode:
+            # the warm-ups run the unit for real: its backward adds into the prefix's gradient slots
+            # and clears its own, and the walk still needs both as they are now (run on the CPU
+            # stand-in too, so that the tests see this)
+            saved = stack.saved_grads(meta.depth + meta.num_tokens) if graph.train else None
+            if cuda:
+                runner.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(runner.stream) if cuda else contextlib.nullcontext():
+                for _ in range(packed_graphs.WARMUP_RUNS):
+                    forward()
+                    if graph.train:
+                        backward(into_buffers=False)
+            graph.live = ()
+            if cuda:
+                torch.cuda.current_stream(device).wait_stream(runner.stream)
+            if saved is not None:
+                stack.restore_grads(saved)
+            graph.forward = packed_graphs._new_graph(device, runner.pool, runner.stream)
+            graph.outputs = tuple(graph.forward.capture(forward))
+            if graph.train:
+                graph.backward = packed_graphs._new_graph(device, runner.pool, runner.stream)
+                graph.backward.capture(backward, runs_now=False)
+        if cuda:  # as in graphs._capture: the captured autograd graph is spent
+            graph.outputs = tuple(o.detach() for o in graph.outputs)
+            graph.live = ()
+        runner.captures += 1
+        graph.generation = -1
+
+
+class _ReplayedUnit(torch.autograd.Function):
+    """A training unit's scores from its replayed forward graph; backward replays its backward graph,
+    which adds into the parameters' gradients (``GraphRunner.replay_backward``) and the stack's slots."""
+
+    @staticmethod
+    def forward(ctx, runner, graph: _UnitGraph, *params):
+        ctx.runner, ctx.graph = runner, graph
+        ctx.generation = runner.replay_forward(graph)
+        return tuple(o.detach().clone() for o in graph.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runner.replay_backward(ctx.graph, ctx.generation, grads)
+        return (None, None, *(None for _ in ctx.runner.params))
