@@ -220,7 +220,11 @@ class UnitReplay:
         graph = self._graph(meta, src, targets, True, head_grad)
         if graph is None:
             return None
-        out = _ReplayedUnit.apply(self.state.runner, graph, *self.state.runner.params)
+        # the autograd node hangs off a fresh leaf, not the parameters: an edge to a parameter would keep
+        # its AccumulateGrad node — made on this stream — alive into the next unit's capture, whose
+        # backward would then accumulate on this stream (CUDA refuses: cudaErrorStreamCaptureImplicit)
+        leaf = torch.zeros((), device=graph.src.device, requires_grad=True)
+        out = _ReplayedUnit.apply(self.state.runner, graph, leaf)
         logp, *rest = out
         ent = rest[0] if self.with_entropy else None
         return logp, ent, rest[-1], graph.hidden_rows
@@ -319,7 +323,7 @@ class _ReplayedUnit(torch.autograd.Function):
     which adds into the parameters' gradients (``GraphRunner.replay_backward``) and the stack's slots."""
 
     @staticmethod
-    def forward(ctx, runner, graph: _UnitGraph, *params):
+    def forward(ctx, runner, graph: _UnitGraph, leaf):
         ctx.runner, ctx.graph = runner, graph
         ctx.generation = runner.replay_forward(graph)
         return tuple(o.detach().clone() for o in graph.outputs)
@@ -327,4 +331,4 @@ class _ReplayedUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.runner.replay_backward(ctx.graph, ctx.generation, grads)
-        return (None, None, *(None for _ in ctx.runner.params))
+        return None, None, None

@@ -218,16 +218,7 @@ class DepthFirstWalk:
                         self._forward(u)
                 continue
             if replay is not None:
-                with torch.enable_grad():
-                    scores = replay.train(self.metas[u], self.src[u], self.targets[u], head_grad=head is None)
-                    if scores is None:
-                        loss = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
-                    else:
-                        logp, ent, anchor, hidden_rows = scores
-                        loss = self._terms_loss(u, logp, ent, None, anchor, hidden_rows, token_loss, head,
-                                                with_entropy)
-                loss.backward()
-                total += loss.detach().double()
+                total += self._replayed_unit(replay, u, token_loss, head, with_entropy)
                 continue
             if step.op == "push":
                 if keep_graph:
@@ -252,6 +243,21 @@ class DepthFirstWalk:
         if head is not None:
             head.backward(self.parts, self.all_targets, self.temperature)
         return float(total)
+
+    def _replayed_unit(self, replay: UnitReplay, u: int, token_loss: Callable, head: _DeferredHead | None,
+                       with_entropy: bool) -> torch.Tensor:
+        """Forward, loss and backward of unit ``u`` from its graphs (eagerly where not captured); the
+        loss value. Its own function so that nothing of the unit's autograd graph outlives it: a
+        node alive at the next unit's capture would tie the capture to this stream (``dfs/graphs.py``)."""
+        with torch.enable_grad():
+            scores = replay.train(self.metas[u], self.src[u], self.targets[u], head_grad=head is None)
+            if scores is None:
+                loss = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
+            else:
+                logp, ent, anchor, hidden_rows = scores
+                loss = self._terms_loss(u, logp, ent, None, anchor, hidden_rows, token_loss, head, with_entropy)
+        loss.backward()
+        return loss.detach().double()
 
     def _head_trains(self) -> bool:
         head = self.parts.lm_head
