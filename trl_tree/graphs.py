@@ -236,6 +236,29 @@ class GraphRunner:
     generation: int = 0  # forward replays so far (any pair): the pool holds the latest one's activations
     captures: int = 0
 
+    def prepare_capture(self, device: torch.device, grad_buffers: bool = True) -> None:
+        """What a capture needs first: the gradient buffers (with ``grad_buffers``), the shared pool
+        and the runner's stream (CUDA)."""
+        if grad_buffers and not self.grad_buffers:
+            self.grad_buffers = tuple(torch.zeros_like(p) for p in self.params)
+        if self.pool is None and device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        if self.stream is None and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+
+    def backward_into_buffers(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], into_buffers: bool) -> None:
+        """Autograd's backward of ``(output, gradient)`` pairs with every parameter's ``.grad`` its buffer
+        (capturing: autograd adds in place into the buffer, what the graph records) or None (warming
+        up: into throw-away gradients, since the buffers may be ``.grad`` holding accumulated ones)."""
+        saved = [p.grad for p in self.params]
+        try:
+            for p, b in zip(self.params, self.grad_buffers):
+                p.grad = b if into_buffers else None
+            torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
+        finally:
+            for p, g in zip(self.params, saved):
+                p.grad = g
+
     def replay_forward(self, pair: _GraphPair) -> int:
         self.generation += 1
         pair.forward.replay()
@@ -279,18 +302,20 @@ class GraphRunner:
 
 class _ReplayedScores(torch.autograd.Function):
     """Log-probs (and entropies) from a replayed forward graph; backward replays the backward graph,
-    which accumulates into the parameters' gradients itself (see ``GraphRunner.replay_backward``)."""
+    which accumulates into the parameters' gradients itself (see ``GraphRunner.replay_backward``).
+    ``inputs``: what the node hangs off so that its outputs require grad (the parameters, or one
+    fresh leaf: ``dfs/graphs.py`` says why); they get no gradient from it."""
 
     @staticmethod
-    def forward(ctx, runner: GraphRunner, pair: _GraphPair, *params):
-        ctx.runner, ctx.pair = runner, pair
+    def forward(ctx, runner: GraphRunner, pair, *inputs):
+        ctx.runner, ctx.pair, ctx.num_inputs = runner, pair, len(inputs)
         ctx.generation = runner.replay_forward(pair)
         return tuple(o.detach().clone() for o in pair.outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.runner.replay_backward(ctx.pair, ctx.generation, grads)
-        return (None, None, *(None for _ in ctx.runner.params))
+        return (None, None, *(None for _ in range(ctx.num_inputs)))
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -449,25 +474,11 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
                 torch._foreach_add_([b for b, _ in got], [g for _, g in got])
             meta.kept = None
             return
-        saved = [p.grad for p in runner.params]
-        try:
-            for p, b in zip(runner.params, runner.grad_buffers):
-                # capturing: autograd adds in place into the buffer, what the graph records; warming up:
-                # into throw-away gradients (the buffers may be .grad, holding accumulated gradients)
-                p.grad = b if into_buffers else None
-            torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
-        finally:
-            for p, g in zip(runner.params, saved):
-                p.grad = g
+        runner.backward_into_buffers(outputs, into_buffers)
         meta.kept = None
 
     device = parts.device
-    if not runner.grad_buffers:
-        runner.grad_buffers = tuple(torch.zeros_like(p) for p in runner.params)
-    if runner.pool is None and device.type == "cuda":
-        runner.pool = torch.cuda.graph_pool_handle()
-    if runner.stream is None and device.type == "cuda":
-        runner.stream = torch.cuda.Stream(device)
+    runner.prepare_capture(device)
     # log-probs and entropies are fp32 [P] (TRL's fused head); allocated here, outside the pool
     pair.grad_outputs = tuple(torch.zeros(pair.pred_src.shape[0], dtype=torch.float32, device=device)
                               for _ in range(2 if with_entropy else 1))

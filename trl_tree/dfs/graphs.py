@@ -214,9 +214,9 @@ class UnitReplay:
     def train(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, head_grad: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
         """A training unit replayed: ``(logps, entropies, anchor, hidden_rows)`` whose backward replays
-        the unit's backward graph (``anchor``: a zero that reaches every layer, so the backward runs
-        even without loss terms; ``hidden_rows``: the rows' final hidden states, constant). None:
-        not captured (run it eagerly)."""
+        the unit's backward graph (``graphs._ReplayedScores``; ``anchor``: a zero that reaches every
+        layer, so the backward runs even without loss terms; ``hidden_rows``: the rows' final hidden
+        states, constant). None: not captured (run it eagerly)."""
         graph = self._graph(meta, src, targets, True, head_grad)
         if graph is None:
             return None
@@ -224,7 +224,7 @@ class UnitReplay:
         # its AccumulateGrad node — made on this stream — alive into the next unit's capture, whose
         # backward would then accumulate on this stream (CUDA refuses: cudaErrorStreamCaptureImplicit)
         leaf = torch.zeros((), device=graph.src.device, requires_grad=True)
-        out = _ReplayedUnit.apply(self.state.runner, graph, leaf)
+        out = packed_graphs._ReplayedScores.apply(self.state.runner, graph, leaf)
         logp, *rest = out
         ent = rest[0] if self.with_entropy else None
         return logp, ent, rest[-1], graph.hidden_rows
@@ -265,28 +265,16 @@ class UnitReplay:
             return live
 
         def backward(into_buffers: bool = True) -> None:
-            outputs = [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad]
-            saved = [p.grad for p in runner.params]
-            try:
-                for p, b in zip(runner.params, runner.grad_buffers):
-                    p.grad = b if into_buffers else None
-                torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
-            finally:
-                for p, g in zip(runner.params, saved):
-                    p.grad = g
+            runner.backward_into_buffers(
+                [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad], into_buffers)
 
         device = parts.device
+        runner.prepare_capture(device, grad_buffers=graph.train)
         if graph.train:
-            if not runner.grad_buffers:
-                runner.grad_buffers = tuple(torch.zeros_like(p) for p in runner.params)
             rows = graph.src.shape[0]
             graph.grad_outputs = (*(torch.zeros(rows, dtype=torch.float32, device=device)
                                     for _ in range(2 if with_entropy else 1)),
                                   torch.zeros((), dtype=torch.float32, device=device))
-        if runner.pool is None and device.type == "cuda":
-            runner.pool = torch.cuda.graph_pool_handle()
-        if runner.stream is None and device.type == "cuda":
-            runner.stream = torch.cuda.Stream(device)
         grad_mode = torch.enable_grad() if graph.train else torch.no_grad()
         cuda = device.type == "cuda"
         with grad_mode:
@@ -317,18 +305,3 @@ class UnitReplay:
         runner.captures += 1
         graph.generation = -1
 
-
-class _ReplayedUnit(torch.autograd.Function):
-    """A training unit's scores from its replayed forward graph; backward replays its backward graph,
-    which adds into the parameters' gradients (``GraphRunner.replay_backward``) and the stack's slots."""
-
-    @staticmethod
-    def forward(ctx, runner, graph: _UnitGraph, leaf):
-        ctx.runner, ctx.graph = runner, graph
-        ctx.generation = runner.replay_forward(graph)
-        return tuple(o.detach().clone() for o in graph.outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.runner.replay_backward(ctx.graph, ctx.generation, grads)
-        return None, None, None
