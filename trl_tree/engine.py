@@ -426,9 +426,9 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     from .dfs.graphs import walk_graphs
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
-    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype,
-                                  **attention_features(parts.causal_lm.config))
-    graphs = walk_graphs(parts, backend) if cuda_graphs else None
+    features = attention_features(parts.causal_lm.config)
+    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, **features)
+    graphs = walk_graphs(parts, backend, features) if cuda_graphs else None
     group_tokens = None
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(

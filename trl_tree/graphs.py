@@ -50,7 +50,7 @@ import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -179,9 +179,15 @@ def _layout_signature(value, path: str = "") -> tuple:
     raise TypeError(f"cuda_graphs: cannot tell the layout of {path} ({type(value).__name__})")
 
 
+#: metadata fields that are not its layout (its call counter, caches, kept outputs); a metadata class
+#: with others names them in its ``NOT_LAYOUT``
+NOT_LAYOUT = ("calls", "_cache", "kept")
+
+
 def _data_fields(value) -> list:
-    """The metadata's fields that describe the layout (not its call counter, caches or kept outputs)."""
-    return [f for f in dataclasses.fields(value) if f.name not in ("calls", "_cache", "kept")]
+    """The metadata's fields that describe the layout."""
+    skipped = getattr(value, "NOT_LAYOUT", NOT_LAYOUT)
+    return [f for f in dataclasses.fields(value) if f.name not in skipped]
 
 
 def _copy_layout(static, new) -> None:
@@ -258,6 +264,51 @@ class GraphRunner:
         finally:
             for p, g in zip(self.params, saved):
                 p.grad = g
+
+    def capture(self, pair, device: torch.device, forward: Callable[[], tuple],
+                backward: Callable[..., None] | None = None, warm_up_on_cpu: bool = False,
+                around_warm_ups: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        """Warm ``forward`` (and ``backward(into_buffers=False)``) up, then capture them into
+        ``pair.forward`` (static outputs: ``pair.outputs``) and ``pair.backward``, in this runner's
+        pool; the caller sets the grad mode. Warm-ups run on CUDA (lazy initialisations must happen
+        outside a graph), on the CPU stand-in only with ``warm_up_on_cpu``, inside
+        ``around_warm_ups()`` (what must undo their side effects)."""
+        cuda = device.type == "cuda"
+        if cuda or warm_up_on_cpu:
+            with around_warm_ups():
+                # Warm-up and capture on one stream, the runner's. Autograd runs a parameter's gradient
+                # accumulation on the stream its AccumulateGrad node was made on, and that node lives as
+                # long as a graph refers to it: a warm-up on another stream whose graph were still alive
+                # would pull the capture's accumulations onto that stream (a cross-stream join recorded
+                # in the backward graph, and PyTorch's "AccumulateGrad node's stream" warning).
+                if cuda:
+                    self.stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(self.stream) if cuda else nullcontext():
+                    for _ in range(WARMUP_RUNS):
+                        forward()
+                        if backward is not None:
+                            backward(into_buffers=False)
+                pair.live = ()  # the warm-up's graph: gone before the capture makes its own
+                if cuda:
+                    torch.cuda.current_stream(device).wait_stream(self.stream)
+        pair.forward = _new_graph(device, self.pool, self.stream)
+        pair.outputs = tuple(pair.forward.capture(forward))
+        if backward is not None:
+            if [(o.shape, o.dtype) for o in pair.outputs] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
+                raise RuntimeError("cuda_graphs: the fused head's outputs are not fp32 [P]; cannot capture this call")
+            pair.backward = _new_graph(device, self.pool, self.stream)
+            pair.backward.capture(backward, runs_now=False)
+        if cuda:
+            # The captured call's autograd graph is spent: its backward is recorded and its saved tensors
+            # are back in the pool, as every pair's activations are (the generation check keeps a pair's
+            # backward next to its own forward). Keeping the graph would keep the parameters'
+            # AccumulateGrad nodes, made on the runner's stream, and every later eager backward would
+            # accumulate on that stream and wait for it. The replays need only the outputs' storage.
+            pair.outputs = tuple(o.detach() for o in pair.outputs)
+            pair.live = ()
+        self.captures += 1
+        # the captured forward's results are in the static outputs; the first replay must run it again
+        pair.generation = -1
 
     def replay_forward(self, pair: _GraphPair) -> int:
         self.generation += 1
@@ -483,34 +534,6 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
     pair.grad_outputs = tuple(torch.zeros(pair.pred_src.shape[0], dtype=torch.float32, device=device)
                               for _ in range(2 if with_entropy else 1))
     with torch.enable_grad():
-        if device.type == "cuda":
-            # Warm-up and capture on one stream, the runner's. Autograd runs a parameter's gradient
-            # accumulation on the stream its AccumulateGrad node was made on, and that node lives as
-            # long as a graph refers to it: a warm-up on another stream whose graph were still alive
-            # would pull the capture's accumulations onto that stream (a cross-stream join recorded
-            # in the backward graph, and PyTorch's "AccumulateGrad node's stream" warning).
-            runner.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(runner.stream):
-                for _ in range(WARMUP_RUNS):
-                    forward()
-                    backward(into_buffers=False)
-            pair.live = ()  # the warm-up's graph: gone before the capture makes its own
-            torch.cuda.current_stream(device).wait_stream(runner.stream)
-        pair.forward = _new_graph(device, runner.pool, runner.stream)
-        pair.outputs = tuple(pair.forward.capture(forward))
-        if [(o.shape, o.dtype) for o in pair.outputs] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
-            raise RuntimeError("cuda_graphs: the fused head's outputs are not fp32 [P]; cannot capture this call")
-        pair.backward = _new_graph(device, runner.pool, runner.stream)
-        pair.backward.capture(backward, runs_now=False)
-    if device.type == "cuda":
-        # The captured call's autograd graph is spent: its backward is recorded and its saved tensors
-        # are back in the pool, as every pair's activations are (the generation check keeps a pair's
-        # backward next to its own forward). Keeping the graph would keep the parameters'
-        # AccumulateGrad nodes, made on the runner's stream, and every later eager backward would
-        # accumulate on that stream and wait for it. The replays need only the outputs' storage.
-        pair.outputs = tuple(o.detach() for o in pair.outputs)
-        pair.live, pair.views = (), {}
-    runner.captures += 1
-    # the captured forward's results are in the static outputs; the first replay must run it again
-    pair.generation = -1
+        runner.capture(pair, device, forward, backward)
+    pair.views = {}
     return pair

@@ -60,9 +60,6 @@ STACK_SLOT_QUANTUM = 1024
 #: unit shapes remembered as seen but not captured (least recently seen forgotten first)
 SIGHTINGS_KEPT = 4 * UNIT_GRAPH_CACHE_SIZE
 
-_META_SKIPPED = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed")
-
-
 @dataclass(eq=False)
 class _UnitGraph:
     """One unit's graph (forward) or graph pair (train) and its static tensors."""
@@ -108,14 +105,12 @@ class WalkGraphs:
 _WALK_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def walk_graphs(parts: ModelParts, backend: str) -> WalkGraphs | None:
-    """This model's unit graphs, or None where its units cannot be replayed (they run eagerly)."""
+def walk_graphs(parts: ModelParts, backend: str, features: dict) -> WalkGraphs | None:
+    """This model's unit graphs, or None where its units cannot be replayed (they run eagerly);
+    ``features``: its attention's variants (``attention.support.attention_features``)."""
     if (parts.router is not None or parts.value_head is not None or parts.length_dependent_rope
             or not parts.scores_logps or packed_graphs._grads_by_autograd_grad()):
         return None
-    from ..attention.support import attention_features
-
-    features = attention_features(parts.causal_lm.config)
     if features["window"] or features["softcap"] is not None or features["sinks"]:
         return None
     runner = packed_graphs._runner(parts)
@@ -127,31 +122,12 @@ def walk_graphs(parts: ModelParts, backend: str) -> WalkGraphs | None:
     return state
 
 
-def _meta_signature(meta: UnitAttentionMetadata) -> tuple:
-    out = []
-    for f in dataclasses.fields(meta):
-        if f.name in _META_SKIPPED:
-            continue
-        v = getattr(meta, f.name)
-        out.append((f.name, ("tensor", tuple(v.shape), v.dtype)) if isinstance(v, torch.Tensor) else (f.name, v))
-    return tuple(out)
-
-
-def _layout_tensors(meta: UnitAttentionMetadata) -> dict[str, torch.Tensor]:
-    """The metadata's tensors that are the unit's data (not its lazily built caches)."""
-    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
-            if f.name not in _META_SKIPPED and isinstance(getattr(meta, f.name), torch.Tensor)}
-
-
 def _static_meta(meta: UnitAttentionMetadata, stack: KVStack) -> UnitAttentionMetadata:
-    tensors = {name: t.clone() for name, t in _layout_tensors(meta).items()}
+    """A copy of ``meta`` whose layout tensors belong to the graph (its static inputs)."""
+    tensors = {f.name: getattr(meta, f.name).clone() for f in packed_graphs._data_fields(meta)
+               if isinstance(getattr(meta, f.name), torch.Tensor)}
     return dataclasses.replace(meta, **tensors, stack=stack, calls=0, pairs=None, _mask=None, _windowed={},
                                graphed=True)
-
-
-def _copy_meta(static: UnitAttentionMetadata, new: UnitAttentionMetadata) -> None:
-    for name, t in _layout_tensors(static).items():
-        t.copy_(getattr(new, name))
 
 
 class UnitReplay:
@@ -170,8 +146,8 @@ class UnitReplay:
     def _graph(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, train: bool,
                head_grad: bool) -> _UnitGraph | None:
         state = self.state
-        signature = ("dfs-unit", train, head_grad, meta.backend, *self.call_state, tuple(src.shape),
-                     _meta_signature(meta))
+        signature = ("dfs-unit", train, head_grad, *self.call_state, tuple(src.shape),
+                     packed_graphs._layout_signature(meta))
         graph = state.units.get(signature)
         if graph is None:
             seen = state.sightings.pop(signature, 0) + 1
@@ -193,7 +169,7 @@ class UnitReplay:
                 state.units.popitem(last=False)
         else:
             state.units.move_to_end(signature)
-            _copy_meta(graph.meta, meta)
+            packed_graphs._copy_layout(graph.meta, meta)
             graph.src.copy_(src)
             graph.targets.copy_(targets)
         graph.walk = state.walks
@@ -206,8 +182,7 @@ class UnitReplay:
         graph = self._graph(meta, src, targets, False, False)
         if graph is None:
             return None
-        self.state.runner.generation += 1  # the pool's activations are this graph's now
-        graph.forward.replay()
+        self.state.runner.replay_forward(graph)  # the pool's activations are this graph's now
         logp, *rest = graph.outputs
         return logp, (rest[0] if self.with_entropy else None)
 
@@ -231,8 +206,7 @@ class UnitReplay:
 
     # ------------------------------------------------------------------ capture
     def _capture(self, graph: _UnitGraph, head_grad: bool) -> None:
-        """Warm up, then capture the unit's graph(s) into the runner's pool (see ``graphs._capture``
-        for why warm-up and capture run on the runner's stream)."""
+        """Warm up, then capture the unit's graph(s) into the runner's pool (``GraphRunner.capture``)."""
         from ..engine import tree_forward
 
         parts, runner, meta, stack = self.parts, self.state.runner, graph.meta, self.state.stack
@@ -275,33 +249,17 @@ class UnitReplay:
             graph.grad_outputs = (*(torch.zeros(rows, dtype=torch.float32, device=device)
                                     for _ in range(2 if with_entropy else 1)),
                                   torch.zeros((), dtype=torch.float32, device=device))
-        grad_mode = torch.enable_grad() if graph.train else torch.no_grad()
-        cuda = device.type == "cuda"
-        with grad_mode:
+
+        @contextlib.contextmanager
+        def gradient_slots_kept():
             # the warm-ups run the unit for real: its backward adds into the prefix's gradient slots
-            # and clears its own, and the walk still needs both as they are now (run on the CPU
+            # and clears its own, and the walk still needs both as they are now (warmed up on the CPU
             # stand-in too, so that the tests see this)
             saved = stack.saved_grads(meta.depth + meta.num_tokens) if graph.train else None
-            if cuda:
-                runner.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(runner.stream) if cuda else contextlib.nullcontext():
-                for _ in range(packed_graphs.WARMUP_RUNS):
-                    forward()
-                    if graph.train:
-                        backward(into_buffers=False)
-            graph.live = ()
-            if cuda:
-                torch.cuda.current_stream(device).wait_stream(runner.stream)
+            yield
             if saved is not None:
                 stack.restore_grads(saved)
-            graph.forward = packed_graphs._new_graph(device, runner.pool, runner.stream)
-            graph.outputs = tuple(graph.forward.capture(forward))
-            if graph.train:
-                graph.backward = packed_graphs._new_graph(device, runner.pool, runner.stream)
-                graph.backward.capture(backward, runs_now=False)
-        if cuda:  # as in graphs._capture: the captured autograd graph is spent
-            graph.outputs = tuple(o.detach() for o in graph.outputs)
-            graph.live = ()
-        runner.captures += 1
-        graph.generation = -1
 
+        with torch.enable_grad() if graph.train else torch.no_grad():
+            runner.capture(graph, device, forward, backward if graph.train else None, warm_up_on_cpu=True,
+                           around_warm_ups=gradient_slots_kept)

@@ -21,6 +21,7 @@ with respect to every slot. A unit's attention (``_UnitAttention``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -95,6 +96,10 @@ class KVStack:
 @dataclass(eq=False)
 class UnitAttentionMetadata:
     """What the attention of one unit needs; travels as the tree kwarg of ``model(...)``."""
+
+    #: not the unit's layout (``graphs._layout_signature``): its stack, call counter, lazily built
+    #: kernels and masks, and whether a graph replays it
+    NOT_LAYOUT: ClassVar[tuple[str, ...]] = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed")
 
     backend: str
     stack: KVStack
