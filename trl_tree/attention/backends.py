@@ -8,8 +8,9 @@ where the kernel cannot (head expansion in the order of HF's ``repeat_kv``).
 - ``torch_flash``: PyTorch's built-in FlashAttention-2 varlen kernels; each node's queries against
   its gathered root path (``cu_seqlens_q != cu_seqlens_k``, causal aligned bottom-right, which is exact here
   because a node's queries are the last keys of its path).
-- ``flash``: the same through the flash-attn package (FA2 ``flash_attn_varlen_func``, or FA4
-  ``flash_attn.cute`` where that is what is installed).
+- ``flash``: the flash-attn package: FA4 (``flash_attn.cute``) as a partial-kernel pair with every
+  path of ``torch_flash`` (``attention/fa4.py``), or FA2's ``flash_attn_varlen_func`` over the
+  gathered root paths.
 - ``flex``: compiled ``flex_attention`` with a block mask from ``subtree_end``; no gather.
 """
 
@@ -290,7 +291,12 @@ def _flash_kwargs_accepted() -> frozenset[str] | None:
 
 
 def flash_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, layer: object = None) -> torch.Tensor:
+    """flash-attn over the tree. FA4 (``attention/fa4.py``) runs as a partial-kernel pair — every path
+    of ``torch_flash``: root split, kept outputs, dense blocks; with a soft-cap (which the pair does
+    not take) and with FA2 the gathered root paths go through the package's own varlen function."""
+    if softcap is None and meta.backend in PARTIAL_KERNELS:
+        return torch_flash_tree_attention(q, k, v, meta, scaling, window, layer)
     fn, _ = _flash_attn_varlen()
     kv_index = meta.kv_index  # flash-attn handles GQA natively
     kwargs = {
@@ -365,11 +371,17 @@ def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tu
         return True, ""
     if name == "flash":
         try:
-            _flash_attn_varlen()
+            _, flavour = _flash_attn_varlen()
         except ImportError as e:
             return False, str(e)
         if not half:
             return False, f"attn_backend='flash' runs in fp16/bf16 only (the model computes in {dtype})"
+        if flavour == "fa4":
+            from .fa4 import fa4_runs_on, register_fa4
+
+            if not fa4_runs_on(device):
+                return False, "attn_backend='flash' found FlashAttention-4, which runs on Hopper and Blackwell GPUs only"
+            register_fa4()  # its forward/backward pair: every FlashAttention path of the tree
         return True, ""
     if name == "flex":
         try:

@@ -232,7 +232,8 @@ def cudnn_dense_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: 
     return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
 
 
-#: varlen kernel pairs by backend name (tests swap in the math pair to run the split path on a CPU)
+#: varlen kernel pairs by backend name (tests swap in the math pair to run the split path on a CPU;
+#: ``attention/fa4.py`` adds FlashAttention-4's under ``"flash"`` when that backend is asked for)
 PARTIAL_KERNELS = {"torch_flash": (flash_partial_forward, flash_partial_backward)}
 
 #: kernel pairs for one dense segment, where faster than the varlen pair (see ``dense_kernels``)
@@ -299,7 +300,7 @@ def dense_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_d
     everywhere).
     """
     pair = dense_pair(backend, q_rows, k_rows)
-    if pair is None or backend != "torch_flash":
+    if pair is None or pair[0] is not cudnn_dense_forward:
         return pair
     ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
           and (CUDNN_GRAPHED_MIN_HEAD_DIM if graphed else CUDNN_MIN_HEAD_DIM) <= head_dim <= CUDNN_MAX_HEAD_DIM

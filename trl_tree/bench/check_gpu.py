@@ -7,7 +7,8 @@ an fp32 untreed reference (TF32 off); the untreed bf16 path is compared with the
 The tree passes when its error is at most 1.5x the untreed bf16 path's own error. In fp32 the
 backends that support it must also match the reference to 1e-5 like on the CPU. Two models: head
 dimension 128 (every path) and 64 (the graphed paths, whose split runs on cuDNN only when replayed).
-Two attention variants on every eager path whose backend computes them (others are refused by
+Each partial-kernel pair (FA2's, FA4's) is first checked alone against the math pair. Two
+attention variants on every eager path whose backend computes them (others are refused by
 name, recorded as skipped): sliding windows of 64 tokens (Mistral-shaped: every layer windowed)
 and Gemma-2's soft-capped attention with alternating windows.
 """
@@ -117,6 +118,54 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
                     for b in DFS_BACKENDS for ckpt in (False, True)]
 
 
+def _check_kernel_pairs(device: torch.device) -> tuple[bool, list[dict]]:
+    """Each registered partial-kernel pair (``attention/partial.py``; FA4's, ``attention/fa4.py``)
+    against the per-segment math pair on the same bf16 inputs: varlen segments with fewer queries
+    than keys (causal, bottom-right) and a dense non-causal rectangle, GQA, head_dim 128 and 64;
+    the backward handed the forward's output and log-sum-exp. A pair passes when its errors are at
+    most ``RULE`` x those of PyTorch's FA2 pair (the kernels every other path is checked with)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cu_q = torch.tensor([0, 100, 164, 420], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 300, 364, 876], dtype=torch.int32, device=device)
+    cases = {"varlen_causal": (cu_q, cu_k, 256, 512, True), "dense_rectangle": (None, None, 300, 700, False)}
+    rows, ok_all = [], True
+    for head_dim in (128, 64):
+        for case, (cq, ck, mq, mk, causal) in cases.items():
+            nq = int(cq[-1]) if cq is not None else mq
+            nk = int(ck[-1]) if ck is not None else mk
+            if cq is None:
+                cq = torch.tensor([0, nq], dtype=torch.int32, device=device)
+                ck = torch.tensor([0, nk], dtype=torch.int32, device=device)
+
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+
+            q, k, v, g = rand(nq, 4, head_dim), rand(nk, 1, head_dim), rand(nk, 1, head_dim), rand(nq, 4, head_dim)
+            scale = head_dim ** -0.5
+            ref_out, ref_lse, _ = partial.math_partial_forward(q, k, v, cq, ck, mq, mk, causal, scale)
+            ref_grads = partial.math_partial_backward(g, q, k, v, ref_out, ref_lse, None, cq, ck, mq, mk, causal, scale)
+            errors = {}
+            for name, (fwd, bwd) in sorted(PARTIAL_KERNELS.items()):
+                try:
+                    out, lse, state = fwd(q, k, v, cq, ck, mq, mk, causal, scale)
+                    grads = bwd(g, q, k, v, out, lse, state, cq, ck, mq, mk, causal, scale)
+                except Exception as e:  # noqa: BLE001 - recorded as a failure, the rest still run
+                    ok_all = False
+                    rows.append({"head_dim": head_dim, "case": case, "pair": name, "error": f"{type(e).__name__}: {e}"[:400]})
+                    continue
+                errors[name] = {"out": float((out.float() - ref_out.float()).abs().max()),
+                                "lse": float((lse.float() - ref_lse.float()).abs().max()),
+                                **{f"d{x}": float((a.float() - b.float()).abs().max()) for x, a, b in
+                                   zip("qkv", grads, ref_grads)}}
+            base = errors.get("torch_flash")
+            for name, errs in errors.items():
+                passed = base is None or all(errs[key] <= RULE * base[key] + 1e-6 for key in errs)
+                ok_all &= passed
+                rows.append({"head_dim": head_dim, "case": case, "pair": name, **errs, "passed": passed})
+                print("kernel pair", rows[-1], flush=True)
+    return ok_all, rows
+
+
 def _check_model(config, paths, device: torch.device, kernels: str, attn_implementation: str = "sdpa"
                  ) -> tuple[bool, list[dict]]:
     """Every path of ``paths`` on a model of ``config``, bf16 and fp32, against the fp32 untreed model."""
@@ -160,6 +209,7 @@ def _check_model(config, paths, device: torch.device, kernels: str, attn_impleme
                     passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
                 ok_all &= passed
                 results.append({"workload": name, "path": label, "dtype": dtype, **errs, "passed": passed})
+                print(f"{name} {label} {dtype} {'PASS' if passed else 'FAIL'}", flush=True)  # progress
     return ok_all, results
 
 
@@ -184,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     partial.DENSE_AT_SIGHTING = 1  # every cuDNN block from its first call: this checks numbers, not plan costs
 
+    for backend in BACKENDS:  # asking registers what a backend brings (FA4: its kernel pair)
+        backend_available(backend, device, torch.bfloat16)
     results, ok_all = [], True
+    pairs_ok, pair_rows = _check_kernel_pairs(device) if device.type == "cuda" else (True, [])
+    ok_all &= pairs_ok
     for heads, paths in ((2, chosen(_paths())), (4, chosen([p for p in _paths() if p[4]]))):
         # head_dim 128 (as Qwen2.5-1.5B/7B): the size at which the split and the dfs prefix run on cuDNN;
         # head_dim 64 (as Qwen2.5-0.5B): where only replayed graphs run the split's blocks on cuDNN
@@ -212,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
         print(f"{r['head_dim']:>3} {r['workload']:22} {r['path']:40} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
-    dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "results": results, "passed": ok_all})
+    dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "kernel_pairs": pair_rows, "results": results, "passed": ok_all})
     return 0 if ok_all else 1
 
 

@@ -45,10 +45,12 @@ def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepC
 
 
 def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None,
-                 only: set[str] | None = None) -> dict:
+                 only: set[str] | None = None, backends: tuple[str, ...] = ("torch_flash",)) -> dict:
     """Time every path on workload ``w``; with ``profile_tables``, also profile one step of TRL's
     padded path and of the packed tree (GPU time by kind of kernel in their rows, per-kernel
-    tables appended to the list); ``only``: these paths (and the baseline)."""
+    tables appended to the list); ``only``: these paths (and the baseline). ``backends``: the
+    tree's attention backend, then others whose main tree paths are timed too, as
+    ``<path>@<backend>`` rows (e.g. ``tree_packed@flash``: FlashAttention-4)."""
     seqs, P = w.sequences, w.score_from
     forest = PrefixForest.from_sequences(seqs)
     flat = PrefixForest.from_sequences(seqs, share_prefixes=False)
@@ -65,16 +67,17 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     def token_loss(lp, seq_idx, pos):
         return -lp * adv[seq_idx] / n_terms
 
-    def tree(the_forest, mode="packed", varlen=False, root_split=None, keep_attention=True, **kw):
+    def tree(the_forest, mode="packed", varlen=False, root_split=None, keep_attention=True, backend=backends[0],
+             **kw):
         def step():
             # padding-free = varlen packing, even when unshared
             with engine.layout_choices(dense_unshared_batches=not varlen, root_split=root_split,
                                        keep_attention=keep_attention):
-                tree_backward(model, the_forest, token_loss, mode=mode, attn_backend="torch_flash", score_from=P, **kw)
+                tree_backward(model, the_forest, token_loss, mode=mode, attn_backend=backend, score_from=P, **kw)
         return step
 
     layout = RootSplitLayout.from_forest(forest)
-    dense = engine.dense_blocks(model_parts(model), "torch_flash")
+    dense = engine.dense_blocks(model_parts(model), backends[0])
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     base_path = "per_sequence" if w.per_sequence_baseline else "trl_padded"
     if w.per_sequence_baseline:  # one sequence per micro-batch, accumulated: the step a long-context user runs
@@ -98,11 +101,16 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         # the walk's units replaying CUDA graphs (trl_tree/dfs/graphs.py; captured in the warm-up)
         paths["tree_dfs_graphs"] = tree(forest, "dfs", cuda_graphs=True)
         paths["longest_single"] = padded_step(model, [seqs[longest]], adv[longest : longest + 1], P, n_terms)
+    for other in backends[1:]:  # the same tree paths through another attention backend
+        for name, kw in (("tree_packed", {}), ("tree_packed_graphs", {"cuda_graphs": True}),
+                         ("tree_dfs", {"mode": "dfs"}), ("tree_dfs_graphs", {"mode": "dfs", "cuda_graphs": True})):
+            if name in paths:
+                paths[f"{name}@{other}"] = tree(forest, backend=other, **kw)
     if only:
-        paths = {k: v for k, v in paths.items() if k in only or k == base_path}
+        paths = {k: v for k, v in paths.items() if k.split("@")[0] in only or k == base_path}
     rows = []
     for name, fn in paths.items():
-        if name.endswith("_graphs"):  # each graphed path's pool and kept stack counted in its own figures
+        if "_graphs" in name:  # each graphed path's pool and kept stack counted in its own figures
             drop_graphs(model)
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
@@ -134,14 +142,16 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     by["tree_packed"]["root_split"] = split
     pf, tp = by.get("padding_free", {}).get("ms"), by["tree_packed"].get("ms")
     single = by.get("longest_single", {})
-    for walk in ("tree_dfs", "tree_dfs_graphs"):
+    walks = [w_ + tag for tag in ("", *(f"@{b}" for b in backends[1:])) for w_ in ("tree_dfs", "tree_dfs_graphs")]
+    for walk in walks:
         dfs = by.get(walk, {})
+        packed_ms = by.get("tree_packed" + walk[len(walk.split("@")[0]):], {}).get("ms")  # the same backend's
         if "ms" in dfs:
             from .dfs import walk_shape
 
-            dfs.update(walk_shape(forest, P, model.config, "dfs", graphs=walk.endswith("graphs")))
-            if tp:
-                dfs["over_packed"] = round(dfs["ms"] / tp, 3)
+            dfs.update(walk_shape(forest, P, model.config, "dfs", graphs="_graphs" in walk))
+            if packed_ms:
+                dfs["over_packed"] = round(dfs["ms"] / packed_ms, 3)
         for key in ("peak_gib", "activation_peak_gib"):
             if single.get(key) and key in dfs:
                 dfs[key.replace("_gib", "") + "_over_longest_single"] = round(dfs[key] / single[key], 3)
@@ -209,6 +219,19 @@ def markdown(payload: dict) -> str:
           for r in res if r["workload"] == "W5" and r.get("tree_over_padding_free")]
     if w5:
         lines += ["", "W5 (no sharing): tree packed ÷ padding-free time = " + ", ".join(w5)]
+    others = [(size, r, x) for size, res in payload["results"].items() for r in res for x in r["rows"]
+              if "@" in x["path"]]
+    if others:
+        lines += ["", "Other attention backends on the same paths (time ÷ the same path with the first backend; "
+                  "below 1: faster):", "", "| model | workload | path | backend | time | speed-up | ÷ first backend |",
+                  "|---|---|---|---|---:|---:|---:|"]
+        for size, r, x in others:
+            path, backend = x["path"].split("@")
+            first = next((y for y in r["rows"] if y["path"] == path), {})
+            ratio = f"{x['ms'] / first['ms']:.2f}" if "ms" in x and "ms" in first else "–"
+            time = f"{x['ms']:.0f} ms" if "ms" in x else x.get("error", "–")[:80]
+            speed = f"{x['speedup']:.2f}×" if "speedup" in x else "–"
+            lines.append(f"| {size} | {r['workload']} | {path} | {backend} | {time} | {speed} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -271,9 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma-separated paths to time (the baseline always runs), e.g. "
                         "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single")
+    parser.add_argument("--attn-backends", default="torch_flash",
+                        help="the tree's attention backend, then others timed on the same paths as <path>@<backend> "
+                        "rows, e.g. torch_flash,flash (FlashAttention-4 where installed)")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     only = set(args.paths.split(",")) if args.paths else None
+    backends = tuple(args.attn_backends.split(","))
     if args.report:
         with open(args.report) as f:
             write_reports(json.load(f), args.report)
@@ -291,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             if w.name in wanted:
                 bar.set_postfix_str(f"{size} {w.name}")
                 results[size].append(run_workload(model, w, args.iters, dfs=not args.no_dfs,
-                                                  profile_tables=tables, only=only))
+                                                  profile_tables=tables, only=only, backends=backends))
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))

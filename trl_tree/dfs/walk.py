@@ -30,6 +30,7 @@ import torch
 
 from .._device import upload
 from ..attention.dispatch import install
+from ..attention.partial import PARTIAL_KERNELS
 from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
@@ -38,7 +39,7 @@ from .plan import WalkPlan, plan_walk
 from .graphs import UnitReplay, WalkGraphs
 from .stack import KVStack, UnitAttentionMetadata
 
-DFS_BACKENDS = ("torch_flash", "sdpa", "eager")
+DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
 
 
 def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
@@ -51,7 +52,7 @@ def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype
         if softcap is None and not sinks and backend_available("torch_flash", device, dtype)[0]:
             return "torch_flash"
         return "sdpa"
-    if requested in ("flash", "flex"):
+    if requested == "flex":
         raise ValueError(
             f"attn_backend={requested!r} is not available in mode='dfs' (its kernel would need the K/V "
             f"stack interface); use one of {', '.join(DFS_BACKENDS)} or 'auto'"
@@ -59,6 +60,10 @@ def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype
     ok, why = backend_available(requested, device, dtype)  # also rejects unknown names
     if not ok:
         raise ValueError(why)
+    if requested == "flash" and requested not in PARTIAL_KERNELS:
+        raise ValueError("attn_backend='flash' runs the walk with FlashAttention-4 (flash_attn.cute), whose kernels "
+                         "return and take the log-sum-exp; the installed flash-attn 2 is not used in mode='dfs': "
+                         "use 'torch_flash' or 'auto'")
     return requested
 
 

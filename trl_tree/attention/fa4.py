@@ -1,0 +1,83 @@
+"""FlashAttention-4 (flash-attn-4's ``flash_attn.cute``) as a partial-kernel pair.
+
+Why a pair and not FA4's autograd function: the tree's FlashAttention paths — the root split, the
+kept outputs for the checkpointed recompute, the depth-first walk's prefix rectangle read in place
+from the K/V stack — all need a forward that returns the log-sum-exp and a backward that takes the
+*merged* output and log-sum-exp of several parts (``attention/partial.py`` says why that is exact).
+FA4's private ``_flash_attn_fwd`` / ``_flash_attn_bwd`` are exactly that, with the contract of
+PyTorch's FA2 pair: varlen ``q [n, H, D]``, ``k``/``v [m, Hkv, D]`` (GQA native), causal aligned
+bottom-right, ``lse [H, n]`` float32 in natural log. With the pair registered under ``"flash"``,
+that backend runs every path ``torch_flash`` runs (packed, split, kept, dfs, CUDA graphs); the
+single-segment blocks keep the dense pair chosen in ``partial.dense_kernels`` (cuDNN, whose causal
+mask aligns top-left: the one-call root block needs that; a user who turns cuDNN's SDPA off gets
+FA4 for every block).
+
+Registration is lazy (:func:`register_fa4`): importing ``flash_attn.cute`` loads the CuTe DSL and
+takes seconds, so it happens only when a call asks for ``attn_backend="flash"`` and FA2's
+``flash_attn`` is not what is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from . import partial
+
+
+@functools.cache
+def _interface():
+    """FA4's interface module, or None where it cannot be imported."""
+    try:
+        return importlib.import_module("flash_attn.cute.interface")
+    except (ImportError, AttributeError, OSError, RuntimeError):
+        return None
+
+
+def _window(window: int | None) -> dict:
+    """A causal sliding window in FA4's arguments: the query's row and ``window - 1`` rows back."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def fa4_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                        window: int | None = None):
+    """FA4's varlen forward: ``(out, lse, None)`` (no state: its backward recomputes from ``lse``)."""
+    out, lse, *_ = _interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        softmax_scale=scale, causal=causal, return_lse=True, **_window(window))
+    return out, lse, None
+
+
+def fa4_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
+                         causal: bool, scale: float, window: int | None = None):
+    """``(dq, dk, dv)`` of one part given the merged ``out`` and ``lse`` (model dtype)."""
+    dq, dk, dv = _interface()._flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse.contiguous(), scale, causal, 0.0,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))[:3]
+    return dq, dk, dv
+
+
+def fa4_pair_available() -> bool:
+    """Whether FA4's forward/backward pair can be imported here (not whether a GPU can run it)."""
+    module = _interface()
+    return module is not None and all(hasattr(module, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd"))
+
+
+def register_fa4() -> bool:
+    """Put FA4's pair under ``"flash"`` in ``partial.PARTIAL_KERNELS`` (and cuDNN as its dense pair,
+    planned per shape like ``torch_flash``'s); True when it is registered."""
+    if "flash" in partial.PARTIAL_KERNELS:
+        return True
+    if not fa4_pair_available():
+        return False
+    partial.PARTIAL_KERNELS["flash"] = (fa4_partial_forward, fa4_partial_backward)
+    partial.DENSE_KERNELS["flash"] = (partial.cudnn_dense_forward, partial.cudnn_dense_backward)
+    partial.PLANNED_DENSE.add("flash")
+    return True
+
+
+def fa4_runs_on(device: torch.device) -> bool:
+    """FA4's kernels exist for Hopper (sm90) and Blackwell (sm100 to sm120) only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10, 11, 12)
