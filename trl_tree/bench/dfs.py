@@ -1,6 +1,7 @@
 """Depth-first walk vs packed vs TRL's padded path: time and peak memory (GPU, bf16).
 
     python -m trl_tree.bench.dfs [--size 1.5b] [--workload grpo|agentic|all] [--out dfs.json]
+    python -m trl_tree.bench.dfs --size 7b --largest 139   # the largest tree each mode trains (no GPU)
 
 Workloads: the GRPO group of ``bench.packed`` (G=16, prompt 2048, completion 512) and a deep
 agentic tree (4.8k-token system prompt and a shared first turn, then turns branching at tool
@@ -50,6 +51,52 @@ def walk_shape(forest: PrefixForest, score_from: int, config, path: str, graphs:
             "estimated_longest_single_gib": round(budget.reference / 2**30, 3) if path != "dfs nodes" else None}
 
 
+#: bytes per parameter a training step holds besides activations: bf16 weights, their gradients and
+#: AdamW's two moment buffers (kept in the parameters' dtype by torch.optim.AdamW)
+TRAINING_BYTES_PER_PARAMETER = 8
+
+
+def largest_trees(config, memory_gib: float, scales=None) -> list[dict]:
+    """The W7 family scaled by ``f`` (system prompt and every turn ``f`` times as long; 64 leaves, T/U
+    12.2 at every scale): for each ``f``, the memory model's activation estimate of the packed call
+    (gradient checkpointing, attention outputs kept) and of the walk (its bound: one forward+backward
+    of the longest path, plus the K/V stack with gradient slots for the pushed path), and whether each
+    fits ``memory_gib`` less ``TRAINING_BYTES_PER_PARAMETER`` per parameter. The largest fitting
+    ``f`` per mode is the largest tree it trains; the suite's measured peaks on W6/W7 check the model."""
+    from ..cost_model import ActivationModel
+    from .workloads import SCALE_TURNS
+
+    params = _parameters(config)
+    free = memory_gib * 2**30 - params * TRAINING_BYTES_PER_PARAMETER
+    packed_model = ActivationModel.of(config, True, keep_attention=True)
+    walk_model = ActivationModel.of(config, True)
+    system, turns = 8000, SCALE_TURNS
+    rows = []
+    for f in scales or (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8):
+        path = round(f * (system + sum(n for n, _ in turns)))
+        unique = round(f * (system + sum(n * 2 ** (i + 1) for i, (n, _) in enumerate(turns))))
+        leaves = 2 ** len(turns)
+        scored = path - round(f * system)
+        packed = packed_model.call(unique, leaves * scored, True)
+        walk = walk_model.single_sequence(path, scored) + walk_model.stack(path, path, False)
+        rows.append({"scale": f, "path_tokens": path, "T": leaves * path, "U": unique,
+                     "T_over_U": round(leaves * path / unique, 2),
+                     "packed_gib": round(packed / 2**30, 1), "packed_fits": packed <= free,
+                     "dfs_gib": round(walk / 2**30, 1), "dfs_fits": walk <= free})
+    return rows
+
+
+def _parameters(config) -> int:
+    """Parameter count of a Qwen2-shaped decoder (embeddings and LM head untied when the config says so)."""
+    from ..model_parts import head_dim_of, intermediate_size_of, kv_heads_of
+
+    h, inter, hd = config.hidden_size, intermediate_size_of(config), head_dim_of(config)
+    attn = h * config.num_attention_heads * hd * 2 + h * kv_heads_of(config) * hd * 2
+    layer = attn + 3 * h * inter + 2 * h
+    embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return config.num_hidden_layers * layer + embed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
@@ -57,8 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, help="write per-kernel tables of the tree paths here")
+    parser.add_argument("--largest", type=float, default=None, metavar="GIB",
+                        help="no GPU run: print the memory model's largest W7-shaped tree each mode trains in GIB "
+                        "of GPU memory (weights, gradients and AdamW states counted), for --size")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
+    if args.largest is not None:
+        from ..tiny import shaped_config
+
+        rows = largest_trees(shaped_config(args.size), args.largest)
+        dump(args.out, {"size": args.size, "memory_gib": args.largest, "rows": rows})
+        return 0
     model = bench_model(args.size, args.kernels)
     config = model.config
 

@@ -1,4 +1,4 @@
-"""The GPU benchmark suite: W1–W6 × model sizes, baselines and tree modes in one process.
+"""The GPU benchmark suite: W1–W7 × model sizes, baselines and tree modes in one process.
 
     python -m trl_tree.bench.suite [--sizes 0.5b,1.5b,7b] [--out docs/benchmarks/suite_h200.json]
     python -m trl_tree.bench.suite --report docs/benchmarks/suite_h200.json   # table + plot only
@@ -80,9 +80,12 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     dense = engine.dense_blocks(model_parts(model), backends[0])
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     base_path = "per_sequence" if w.per_sequence_baseline else "trl_padded"
+    sampled = w.baseline_sample if w.per_sequence_baseline and w.baseline_sample else len(seqs)
     if w.per_sequence_baseline:  # one sequence per micro-batch, accumulated: the step a long-context user runs
-        singles = [padded_step(model, [s], adv[i : i + 1], P, n_terms) for i, s in enumerate(seqs)]
+        singles = [padded_step(model, [s], adv[i : i + 1], P, n_terms) for i, s in enumerate(seqs[:sampled])]
         paths = {"per_sequence": lambda: [step() for step in singles], "tree_packed": tree(forest)}
+        if trie_packer_available():  # TRL's packer on the whole tree, where it fits
+            paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
         dfs, iters = True, min(iters, 2)
     else:
         paths = {"trl_padded": padded_step(model, seqs, adv, P, n_terms), "padding_free": tree(flat, varlen=True),
@@ -120,6 +123,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
                          "activation_peak_gib": round(act, 3),
                          # what the path left reserved: a graph pool and a kept K/V stack are not in the peaks
                          "reserved_gib": round((torch.cuda.memory_reserved() - reserved) / 2**30, 3)})
+            if name == base_path and sampled < len(seqs):  # every sequence costs the same: scale the sample
+                rows[-1].update(ms=round(ms * len(seqs) / sampled, 2), timed_sequences=sampled)
         except torch.OutOfMemoryError:
             rows.append({"path": name, "error": "out of memory"})
         except Exception as e:  # one path failing (e.g. TRL's packer under compiled layers) must not lose the rest
@@ -283,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.5b,1.5b,7b")
     parser.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6",
-                        help="W6 (441k tokens) is timed against one sequence per micro-batch, accumulated")
+                        help="W6 (441k tokens) and W7 (2M tokens, 32k-token paths: an H200 at 7B) are timed against "
+                        "one sequence per micro-batch, accumulated")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmark_suite.json")
     parser.add_argument("--report", default=None, help="only render the table and plot of this JSON")
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         model = bench_model(size, args.kernels)
         results[size] = []
-        for w in suite_workloads(model.config.vocab_size):
+        for w in suite_workloads(model.config.vocab_size, wanted):
             if w.name in wanted:
                 bar.set_postfix_str(f"{size} {w.name}")
                 results[size].append(run_workload(model, w, args.iters, dfs=not args.no_dfs,

@@ -23,6 +23,10 @@ class Workload:
     #: the baseline accumulates one sequence per micro-batch: a padded batch of all of them would not
     #: fit (what a long-context user runs), and the suite times only that, packed and dfs
     per_sequence_baseline: bool = False
+    #: time the per-sequence baseline on this many sequences and scale it to all of them (every
+    #: sequence of the workload has the same length, so each costs the same): at 7B one 32k-token
+    #: sequence takes seconds, all 64 of them minutes per timed step
+    baseline_sample: int | None = None
 
 
 def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 1), (200, 2), (60, 3)),
@@ -44,6 +48,12 @@ def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 
 LONG_AGENTIC_TURNS = ((2000, 2), (1500, 2), (1000, 2), (800, 2), (500, 2))
 
 
+#: W7: 32k-token paths — an 8k system prompt and six turns, each branching two ways at its tool call:
+#: 64 trajectories of 32,000 tokens (T = 2,048,000, U = 168,000, T/U = 12.2); the scale target of one
+#: H200 at 7B
+SCALE_TURNS = ((12000, 2), (6000, 2), (3000, 2), (1500, 2), (1000, 2), (500, 2))
+
+
 def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -> list[list[int]]:
     """Distinct prompts, nothing shared (the first token differs too): T/U = 1."""
     rng = np.random.default_rng(seed)
@@ -52,14 +62,30 @@ def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -
     return seqs.tolist()
 
 
-def suite_workloads(vocab: int) -> list[Workload]:
-    return [
-        Workload("W1", "GRPO G=16, prompt 2048, completion 512", grpo_group(2048, 512, 16, vocab, seed=1), 2048),
-        Workload("W2", "GRPO G=8, prompt 1024, completion 1024", grpo_group(1024, 1024, 8, vocab, seed=2), 1024),
-        Workload("W3", "GRPO G=8, prompt 256, completion 1024", grpo_group(256, 1024, 8, vocab, seed=3), 256),
-        Workload("W4", "agentic tree: 4.8k system prompt, 5 turns branching at tool calls, 12 leaves",
-                 agentic_tree(vocab), 4800),
-        Workload("W5", "no sharing: 16 sequences of 2048 tokens (prompt 1024)", no_sharing(vocab), 1024),
-        Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves of 13.8k tokens",
-                 agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6), 8000, per_sequence_baseline=True),
-    ]
+#: the suite's workloads unless others are named (W7 is built only when asked for: 2M tokens)
+DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+
+
+def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORKLOADS) -> list[Workload]:
+    """The workloads named in ``names``, in suite order; only those are built."""
+    builders = {
+        "W1": lambda: Workload("W1", "GRPO G=16, prompt 2048, completion 512",
+                               grpo_group(2048, 512, 16, vocab, seed=1), 2048),
+        "W2": lambda: Workload("W2", "GRPO G=8, prompt 1024, completion 1024",
+                               grpo_group(1024, 1024, 8, vocab, seed=2), 1024),
+        "W3": lambda: Workload("W3", "GRPO G=8, prompt 256, completion 1024",
+                               grpo_group(256, 1024, 8, vocab, seed=3), 256),
+        "W4": lambda: Workload("W4", "agentic tree: 4.8k system prompt, 5 turns branching at tool calls, 12 leaves",
+                               agentic_tree(vocab), 4800),
+        "W5": lambda: Workload("W5", "no sharing: 16 sequences of 2048 tokens (prompt 1024)", no_sharing(vocab), 1024),
+        "W6": lambda: Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves "
+                               "of 13.8k tokens", agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6),
+                               8000, per_sequence_baseline=True, baseline_sample=4),
+        "W7": lambda: Workload("W7", "32k-token agentic paths: 8k system prompt, 6 turns branching at tool calls, "
+                               "64 leaves", agentic_tree(vocab, system=8000, turns=SCALE_TURNS, seed=7), 8000,
+                               per_sequence_baseline=True, baseline_sample=2),
+    }
+    unknown = set(names) - set(builders)
+    if unknown:
+        raise ValueError(f"unknown workloads {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    return [build() for name, build in builders.items() if name in names]
