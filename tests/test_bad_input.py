@@ -173,13 +173,39 @@ def test_a_peft_adapter_on_the_lm_head_is_refused():
 
 
 def test_auto_backend_is_not_changed_by_an_installed_package(monkeypatch):
-    """With every kernel available on a GPU, 'auto' keeps PyTorch's FlashAttention varlen: flash-attn
-    (FA4) made the whole step slower though its kernel is faster (docs/benchmarks/notes.md §20);
-    soft-capping, which torch_flash cannot apply, goes to flash."""
-    from trl_tree.attention import backends
+    """Without FlashAttention-4's pair, 'auto' keeps PyTorch's FlashAttention varlen however a call
+    runs; soft-capping, which torch_flash cannot apply, goes to flash."""
+    from trl_tree.attention import backends, fa4
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, name))
+    monkeypatch.setattr(fa4, "fa4_pair_available", lambda: False)
     cuda = torch.device("cuda")
     assert backends.resolve_backend("auto", cuda, torch.bfloat16) == "torch_flash"
+    assert backends.resolve_backend("auto", cuda, torch.bfloat16, hidden_size=8192, graphed=True) == "torch_flash"
     assert backends.resolve_backend("auto", cuda, torch.bfloat16, softcap=30.0) == "flash"
     assert backends.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+
+
+def test_auto_takes_fa4_where_it_was_measured_faster(monkeypatch):
+    """With FA4 installed on a GPU it runs on, 'auto' takes it for replayed CUDA graphs and for eager
+    calls of models wide enough (by mode: backends.FA4_EAGER_MIN_HIDDEN), and keeps PyTorch's FA2 for
+    a narrow model's eager step, whose host-side launches FA4's Python path makes slower."""
+    from trl_tree.attention import backends, fa4
+    from trl_tree.dfs.walk import resolve_dfs_backend
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, name))
+    monkeypatch.setattr(fa4, "fa4_pair_available", lambda: True)
+    monkeypatch.setattr(fa4, "fa4_runs_on", lambda device: True)
+    monkeypatch.setattr(fa4, "register_fa4", lambda: True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    narrow, medium, wide = 896, 1536, 3584  # Qwen2.5-0.5B, -1.5B, -7B
+    assert backends.resolve_backend("auto", cuda, bf16, hidden_size=narrow) == "torch_flash"
+    assert backends.resolve_backend("auto", cuda, bf16, hidden_size=narrow, graphed=True) == "flash"
+    assert backends.resolve_backend("auto", cuda, bf16, hidden_size=medium) == "flash"
+    assert backends.resolve_backend("auto", cuda, torch.float32, hidden_size=wide, graphed=True) != "flash"
+    assert backends.resolve_backend("auto", cuda, bf16, hidden_size=wide, sinks=True) != "flash"
+    assert resolve_dfs_backend("auto", cuda, bf16, hidden_size=medium) == "torch_flash"
+    assert resolve_dfs_backend("auto", cuda, bf16, hidden_size=medium, graphed=True) == "flash"
+    assert resolve_dfs_backend("auto", cuda, bf16, hidden_size=wide) == "flash"
+    assert resolve_dfs_backend("auto", cuda, bf16, hidden_size=wide, softcap=30.0) == "sdpa"
+    assert backends.resolve_backend("torch_flash", cuda, bf16, hidden_size=wide, graphed=True) == "torch_flash"

@@ -294,8 +294,9 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
     see :func:`keeps_attention`; ``meta``: the forest's metadata if already built;
     ``checkpointing``: :func:`_checkpointing`'s answer if the caller has it)."""
-    backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
-                              **attention_features(parts.causal_lm.config))
+    backend = (meta.backend if meta is not None and attn_backend == "auto" else  # a graphed call's choice
+               resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
+                               hidden_size=parts.hidden_size, **attention_features(parts.causal_lm.config)))
     install(parts.causal_lm.config._attn_implementation)
     if tokens is None:
         (tokens,) = upload([forest.tokens], torch.int64, parts.device)
@@ -357,8 +358,8 @@ def _score(
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
         from .graphs import graphed_scores
 
-        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype,
-                                  **attention_features(parts.causal_lm.config))
+        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
+                                  graphed=True, **attention_features(parts.causal_lm.config))
         meta = tree_metadata(parts, forest, backend, graphed=True)
         checkpointing = _checkpointing(parts)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
@@ -427,7 +428,8 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
     features = attention_features(parts.causal_lm.config)
-    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, **features)
+    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
+                                  graphed=bool(cuda_graphs), **features)
     graphs = walk_graphs(parts, backend, features) if cuda_graphs else None
     group_tokens = None
     if chunk_size is None:

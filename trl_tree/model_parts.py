@@ -62,6 +62,11 @@ class ModelParts:
         return self.causal_lm.get_input_embeddings().weight.device
 
     @property
+    def hidden_size(self) -> int:
+        """The decoder's width (what ``attention.backends.fa4_pays`` reads as its launch-cost proxy)."""
+        return int(self.causal_lm.config.get_text_config().hidden_size)
+
+    @property
     def calls_backbone(self) -> bool:
         """Whether a call goes to the backbone itself (a value-only call: no LM head, no logits)."""
         return self.outer is self.backbone

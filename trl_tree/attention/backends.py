@@ -392,21 +392,45 @@ def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tu
     return False, name  # unreachable
 
 
+#: where ``auto`` takes FlashAttention-4 (``attention/fa4.py``) over PyTorch's FA2, by mode: every call
+#: that replays CUDA graphs, and eager calls of models with at least this hidden size. Why a width:
+#: FA4's kernels are as fast or faster on every measured shape, but its Python launch path costs more
+#: host time per call than FA2's, which a narrow model's eager step (or the walk's many eager calls)
+#: waits on; a replayed graph has no launch path (measured on an H200: docs/benchmarks/notes.md §22)
+FA4_EAGER_MIN_HIDDEN = {"packed": 1536, "dfs": 3584}
+
+
+def fa4_pays(device: torch.device, dtype: torch.dtype, hidden_size: int | None, graphed: bool,
+             mode: str = "packed") -> bool:
+    """Whether ``auto`` runs FlashAttention-4 for this call (``FA4_EAGER_MIN_HIDDEN``): installed,
+    on a GPU it runs on, in fp16/bf16, and graphed or wide enough. Registers FA4's pair when it does."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not graphed and (hidden_size is None or hidden_size < FA4_EAGER_MIN_HIDDEN[mode]):
+        return False
+    from .fa4 import fa4_pair_available, fa4_runs_on, register_fa4
+
+    return fa4_pair_available() and fa4_runs_on(device) and register_fa4()
+
+
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
-                    softcap: float | None = None, sinks: bool = False) -> str:
+                    softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
+                    graphed: bool = False) -> str:
     """Resolve ``"auto"`` to the fastest backend that runs here; validate an explicit choice.
 
-    auto: on CUDA in fp16/bf16, PyTorch's FlashAttention varlen (with cuDNN for the dense blocks),
-    else flash-attn; on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa. Why ``torch_flash``
-    before ``flash``: with FlashAttention-4 installed, a whole training step through ``flash`` was
-    slower than through ``torch_flash`` although FA4's kernel alone is faster (measured:
-    docs/benchmarks/notes.md), so an installed package must not change the choice by itself; ask for
-    ``flash`` by name. A model with attention logit soft-capping
+    auto: on CUDA in fp16/bf16, FlashAttention-4 where it was measured faster (:func:`fa4_pays`:
+    installed, and the call replays CUDA graphs — ``graphed`` — or the model's ``hidden_size`` is
+    large enough), else PyTorch's FlashAttention varlen (with cuDNN for the dense blocks), else
+    flash-attn; on CUDA in fp32, flex (no O(U²) mask); on CPU, sdpa. An installed package alone
+    never changes the choice: a narrow model's eager step was slower through FA4 than through FA2,
+    its host-side launches being the bound. A model with attention logit soft-capping
     (``softcap``) skips the kernels that cannot apply it (``attention/support.py``); ``window`` and
     ``sinks`` are listed for the same reason (every backend takes a window; sinks only the
     references, which auto does not pick on CUDA: they build a [U, U] mask).
     """
     if requested == "auto":
+        if softcap is None and not sinks and fa4_pays(device, dtype, hidden_size, graphed):
+            return "flash"
         order = ("torch_flash", "flash", "flex") if device.type == "cuda" else ()
         if softcap is not None:
             order = tuple(b for b in order if b != "torch_flash")

@@ -43,14 +43,17 @@ DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
 
 
 def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
-                        softcap: float | None = None, sinks: bool = False) -> str:
-    """The walk's kernel: ``torch_flash`` on CUDA in fp16/bf16, else ``sdpa``; a model with
-    soft-capping or sinks (which FlashAttention's partial kernels do not take) gets ``sdpa``."""
-    from ..attention.backends import backend_available
+                        softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
+                        graphed: bool = False) -> str:
+    """The walk's kernel: on CUDA in fp16/bf16 FlashAttention-4 where it was measured faster
+    (``attention.backends.fa4_pays``: replayed units, or a model of ``hidden_size`` at least
+    ``FA4_EAGER_MIN_HIDDEN["dfs"]``), else ``torch_flash``; ``sdpa`` elsewhere, and for a model with
+    soft-capping or sinks (which FlashAttention's partial kernels do not take)."""
+    from ..attention.backends import backend_available, fa4_pays
 
     if requested == "auto":
         if softcap is None and not sinks and backend_available("torch_flash", device, dtype)[0]:
-            return "torch_flash"
+            return "flash" if fa4_pays(device, dtype, hidden_size, graphed, "dfs") else "torch_flash"
         return "sdpa"
     if requested == "flex":
         raise ValueError(

@@ -53,9 +53,11 @@ class TreeArguments:
     )
     tree_attn_backend: str = field(
         default="auto",
-        metadata={"help": f"Tree attention kernel, one of {ATTN_BACKENDS}. 'auto': PyTorch's FlashAttention varlen "
-                  "(cuDNN for dense blocks), else flash-attn, else flex on GPU; sdpa on CPU. 'flash' (flash-attn, "
-                  "FlashAttention-4) only when asked for: an installed package does not change 'auto'."},
+        metadata={"help": f"Tree attention kernel, one of {ATTN_BACKENDS}. 'auto': on GPU FlashAttention-4 "
+                  "(flash-attn-4) where it was measured faster — calls replaying CUDA graphs, and eager calls of "
+                  "models at least 1536 wide (packed) or 3584 (dfs) — else PyTorch's FlashAttention varlen (cuDNN "
+                  "for dense blocks), else flex; sdpa on CPU. 'flash': flash-attn (FA4 on every tree path; FA2 "
+                  "packed only)."},
     )
     tree_token_budget: int | None = field(
         default=None,
