@@ -208,6 +208,8 @@ def environment(kernels: str = "hf") -> dict:
         "trl": trl_version,
         "python": platform.python_version(),
         "kernels": _kernels_label(kernels),
+        # what attn_backend="auto" may pick on a Hopper/Blackwell GPU (attention.backends.fa4_pays)
+        "flash_attn_4": _version("flash-attn-4"),
     }
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, engine, tree_backward
+from ..attention.backends import resolve_backend
 from ..attention.metadata import use_root_split
 from ..attention.root_split import RootSplitLayout
 from ..model_parts import model_parts
@@ -77,7 +78,9 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         return step
 
     layout = RootSplitLayout.from_forest(forest)
-    dense = engine.dense_blocks(model_parts(model), backends[0])
+    parts = model_parts(model)
+    eager_backend = resolve_backend(backends[0], parts.device, parts.compute_dtype, hidden_size=parts.hidden_size)
+    dense = engine.dense_blocks(parts, eager_backend)
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     base_path = "per_sequence" if w.per_sequence_baseline else "trl_padded"
     sampled = w.baseline_sample if w.per_sequence_baseline and w.baseline_sample else len(seqs)
@@ -171,7 +174,8 @@ def markdown(payload: dict) -> str:
     env = payload["environment"]
     lines = [f"# Benchmark suite — {env.get('device', '?')}", "",
              f"torch {env.get('torch')}, transformers {env.get('transformers')}, CUDA {env.get('cuda')}; "
-             f"layer kernels: {env.get('kernels', 'hf')} (baseline and tree alike); bf16, "
+             f"layer kernels: {env.get('kernels', 'hf')} (baseline and tree alike); "
+             f"attention: {env.get('attn_backends', 'torch_flash')} (FlashAttention-4 {env.get('flash_attn_4', 'not installed')}); bf16, "
              "HF gradient checkpointing, random-init Qwen2.5-shaped models; median of CUDA-event timed steps after "
              "warm-up, all paths in one process on the same rollouts. Speed-up is over TRL's padded path; "
              "limit = FLOP limit (DESIGN) of the packed tree as run (its checkpointed recompute skips the attention, "
@@ -300,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma-separated paths to time (the baseline always runs), e.g. "
                         "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single")
-    parser.add_argument("--attn-backends", default="torch_flash",
-                        help="the tree's attention backend, then others timed on the same paths as <path>@<backend> "
-                        "rows, e.g. torch_flash,flash (FlashAttention-4 where installed)")
+    parser.add_argument("--attn-backends", default="auto",
+                        help="the tree's attention backend ('auto': what the engine picks for each call), then others "
+                        "timed on the same paths as <path>@<backend> rows, e.g. torch_flash,flash "
+                        "(FlashAttention-4 where installed)")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     only = set(args.paths.split(",")) if args.paths else None
@@ -312,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             write_reports(json.load(f), args.report)
         return 0
     from tqdm.auto import tqdm
+
+    env = {**environment(args.kernels), "attn_backends": args.attn_backends}
 
     results: dict[str, list] = {}
     tables: list[str] | None = [] if args.profile else None
@@ -328,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))
-                dump(args.out, {"environment": environment(args.kernels), "results": results})  # keep partial results
+                dump(args.out, {"environment": env, "results": results})  # keep partial results
                 bar.update()
         del model
         torch.cuda.empty_cache()
     bar.close()
-    payload = {"environment": environment(args.kernels), "results": results}
+    payload = {"environment": env, "results": results}
     dump(args.out, payload)
     write_reports(payload, args.out)
     return 0
