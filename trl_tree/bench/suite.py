@@ -194,9 +194,14 @@ def markdown(payload: dict) -> str:
                 x = by.get(path, {})
                 return f"{x['ms']:.0f} ms" if "ms" in x else x.get("error", "–")
             tp, dfs = by.get("tree_packed", {}), by.get("tree_dfs", {})
-            key = "activation_peak_gib" if "activation_peak_gib" in tp else "peak_gib"  # older payloads
             base_row = by.get(r.get("baseline", "trl_padded"), {})
-            peak = f"{base_row.get(key, float('nan')):.2f} → {tp.get(key, float('nan')):.2f} GiB"
+            key = "activation_peak_gib" if "activation_peak_gib" in {**tp, **base_row} else "peak_gib"  # older payloads
+            peak = f"{base_row.get(key, float('nan')):.2f} → " + (f"{tp[key]:.2f} GiB" if key in tp else ms("tree_packed"))
+            timed = base_row.get("timed_sequences")
+            base_note = (f" (per sequence{f', {timed} timed and scaled' if timed else ''})"
+                         if r.get("baseline") == "per_sequence" else "")
+            speed = f"{tp['speedup']:.2f}×" if "speedup" in tp else "–"
+            limit_frac = f"{tp['fraction_of_flop_limit']:.2f}" if "fraction_of_flop_limit" in tp else "–"
             def walk_cell(path):
                 x = by.get(path, {})
                 if "speedup" not in x:
@@ -218,9 +223,9 @@ def markdown(payload: dict) -> str:
                 split_cell += f" ({other.removeprefix('tree_packed_')} {ms(other)})"
             lines.append(
                 f"| {size} | {r['workload']} | {r['T']} | {r['U']} | {r['T_over_U']:.2f} | {r['flop_limit']:.2f} | "
-                f"{ms(r.get('baseline', 'trl_padded'))}{' (per sequence)' if r.get('baseline') == 'per_sequence' else ''} | "
-                f"{ms('padding_free')} | {ms('tree_packed')} | {tp.get('speedup', 0):.2f}× | "
-                f"{tp.get('fraction_of_flop_limit', 0):.2f} | {graphs_cell} | {rec_cell} | {split_cell} | {trie_cell} | "
+                f"{ms(r.get('baseline', 'trl_padded'))}{base_note} | "
+                f"{ms('padding_free')} | {ms('tree_packed')} | {speed} | "
+                f"{limit_frac} | {graphs_cell} | {rec_cell} | {split_cell} | {trie_cell} | "
                 f"{dfs_cell} | {dfs_graphs_cell} | "
                 f"{dfs.get('activation_peak_over_longest_single', dfs.get('peak_over_longest_single', '–'))} | "
                 f"{peak} |")
