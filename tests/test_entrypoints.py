@@ -44,7 +44,41 @@ def test_grpo_examples_run(script, argv, monkeypatch, capsys, tmp_path):
     assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
 
 
-@pytest.mark.parametrize("script", ["grpo_tree.py", "grpo_tree_lora.py", "ppo_tree.py", "ppo_tree_lora.py"])
+def test_agentic_tools_example_branches_at_tool_calls(monkeypatch, capsys, tmp_path):
+    """TRL's environment_factory with a key-value store the model queries: the forest shares more than
+    the prompts (completions sharing a tool call share its tokens), and the call format round-trips
+    through the in-memory tokenizer's chat template and TRL's response parser."""
+    import re
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("agentic_tools_tree", "examples/agentic_tools_tree.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tokenizer = example.tool_tokenizer()
+    env = example.KeyValueStore()
+    env.reset(seed=3, key="beta")
+    prompt = tokenizer.apply_chat_template(example.question("beta"), tools=[env.lookup], add_generation_prompt=True,
+                                           tokenize=False)
+    parsed = tokenizer.parse_response('<tool_call>\n{"name": "lookup", "arguments": {"key": "beta"}}\n</tool_call>'
+                                      "<|im_end|>", prefix=prompt)
+    call = parsed["tool_calls"][0]["function"]
+    assert call == {"name": "lookup", "arguments": {"key": "beta"}}
+    assert env.lookup(**call["arguments"]) == env.store["beta"] and env.get_reward() == 1.0
+    with pytest.raises(KeyError, match="no key"):
+        env.lookup("epsilon")
+
+    monkeypatch.setattr(sys, "argv", ["agentic_tools_tree.py", "--steps", "1", "--warm-start-steps", "40",
+                                      "--num-generations", "4"])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    runpy.run_path("examples/agentic_tools_tree.py", run_name="__main__")
+    out = capsys.readouterr().out
+    tree, prompt_only = map(float, re.search(r"T/U ([\d.]+) \(sharing only the prompt: ([\d.]+)\)", out).groups())
+    assert tree > prompt_only > 1.0, out
+    assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
+
+
+@pytest.mark.parametrize("script", ["grpo_tree.py", "grpo_tree_lora.py", "ppo_tree.py", "ppo_tree_lora.py",
+                                    "agentic_tools_tree.py"])
 def test_example_help_imports_nothing_heavy(script):
     code = (f"import runpy, sys; sys.argv = ['{script}', '--help']\n"
             f"try:\n    runpy.run_path('examples/{script}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
