@@ -2,7 +2,7 @@
 
     trl-tree demo [--algo grpo|rloo|ppo]   the README's main job: a tiny model on the CPU, tree vs stock
     trl-tree inspect FILE [--tokenizer DIR] [--model 1.5b|config.json] [--rows-per-forest N] [--png OUT]
-    trl-tree bench [suite options]          the GPU benchmark suite (W1–W6 x model sizes)
+    trl-tree bench [suite options]          the GPU benchmark suite (W1–W7 x model sizes)
     trl-tree check [options]                the GPU exactness check of every attention path
 
 Nothing heavy (torch, TRL) is imported before a subcommand runs, so ``--help`` answers at once.
