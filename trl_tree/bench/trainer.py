@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tree_mode values; +graphs (e.g. packed+graphs) also sets tree_cuda_graphs=True, "
                              "+buckets tree_cuda_graph_buckets=True, +micro tree_window='micro_step' (trees per "
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
-                             "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'")
+                             "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
+                             "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
                         help="per_device_train_batch_size (default: --group, one group per micro-step); smaller "
                              "values cut a group over micro-steps and, under accelerate launch, over processes")
@@ -129,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             from peft import LoraConfig
 
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
-        window = "micro_step" if "+micro" in mode else "accumulation" if "+window" in mode else "auto"
+        flags, _, backend = mode.partition("@")
+        window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         cfg = config_cls(
-            output_dir=tempfile.mkdtemp(), tree_mode=mode.split("+")[0], tree_window=window, **ppo,
-            tree_cuda_graphs="+graphs" in mode, tree_cuda_graph_buckets="+buckets" in mode, max_steps=args.steps,
+            output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,
+            tree_attn_backend=backend or "auto",
+            tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags, max_steps=args.steps,
             per_device_train_batch_size=args.per_device or args.group,
             gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
