@@ -29,8 +29,17 @@ from ..attention.backends import resolve_backend
 from ..attention.metadata import use_root_split
 from ..attention.root_split import RootSplitLayout
 from ..model_parts import model_parts
-from .common import (StepCost, add_kernels_arg, bench_model, drop_graphs, dump, environment, padded_step, step_flops,
-                     time_cuda)
+from .common import (
+    StepCost,
+    add_kernels_arg,
+    bench_model,
+    drop_graphs,
+    dump,
+    environment,
+    padded_step,
+    step_flops,
+    time_cuda,
+)
 from .profile import gpu_ms_by_kind, kernel_table, profile_step
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads

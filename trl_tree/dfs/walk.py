@@ -35,8 +35,8 @@ from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
-from .plan import WalkPlan, plan_walk
 from .graphs import UnitReplay, WalkGraphs
+from .plan import WalkPlan, plan_walk
 from .stack import KVStack, UnitAttentionMetadata
 
 DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
