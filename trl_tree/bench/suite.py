@@ -55,7 +55,7 @@ def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepC
 
 
 def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None,
-                 only: set[str] | None = None, backends: tuple[str, ...] = ("torch_flash",)) -> dict:
+                 only: set[str] | None = None, backends: tuple[str, ...] = ("torch_flash",), warmup: int = 3) -> dict:
     """Time every path on workload ``w``; with ``profile_tables``, also profile one step of TRL's
     padded path and of the packed tree (GPU time by kind of kernel in their rows, per-kernel
     tables appended to the list); ``only``: these paths (and the baseline). ``backends``: the
@@ -130,7 +130,7 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         try:
-            ms, peak, act = time_cuda(fn, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
+            ms, peak, act = time_cuda(fn, warmup=warmup, iters=iters, reset=lambda: model.zero_grad(set_to_none=True))
             rows.append({"path": name, "ms": round(ms, 2), "peak_gib": round(peak, 3),
                          "activation_peak_gib": round(act, 3),
                          # what the path left reserved: a graph pool and a kept K/V stack are not in the peaks
@@ -318,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma-separated paths to time (the baseline always runs), e.g. "
                         "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps before the timed ones (the largest trees take minutes a step: 1)")
+    parser.add_argument("--w7-scale", type=float, default=1.0,
+                        help="W7 with its system prompt and turns this many times as long (3: 96k-token paths)")
     parser.add_argument("--attn-backends", default="auto",
                         help="the tree's attention backend ('auto': what the engine picks for each call), then others "
                         "timed on the same paths as <path>@<backend> rows, e.g. torch_flash,flash "
@@ -341,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         model = bench_model(size, args.kernels)
         results[size] = []
-        for w in suite_workloads(model.config.vocab_size, wanted):
+        for w in suite_workloads(model.config.vocab_size, wanted, args.w7_scale):
             if w.name in wanted:
                 bar.set_postfix_str(f"{size} {w.name}")
                 results[size].append(run_workload(model, w, args.iters, dfs=not args.no_dfs,
-                                                  profile_tables=tables, only=only, backends=backends))
+                                                  profile_tables=tables, only=only, backends=backends,
+                                                  warmup=args.warmup))
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))

@@ -66,8 +66,13 @@ def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -
 DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
 
 
-def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORKLOADS) -> list[Workload]:
-    """The workloads named in ``names``, in suite order; only those are built."""
+def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORKLOADS,
+                    w7_scale: float = 1.0) -> list[Workload]:
+    """The workloads named in ``names``, in suite order; only those are built. ``w7_scale``: W7's
+    system prompt and turns that many times as long (the largest trees a mode trains,
+    ``bench.dfs.largest_trees``)."""
+    scaled_turns = tuple((round(n * w7_scale), b) for n, b in SCALE_TURNS)
+    w7_system = round(8000 * w7_scale)
     builders = {
         "W1": lambda: Workload("W1", "GRPO G=16, prompt 2048, completion 512",
                                grpo_group(2048, 512, 16, vocab, seed=1), 2048),
@@ -81,9 +86,10 @@ def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORK
         "W6": lambda: Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves "
                                "of 13.8k tokens", agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6),
                                8000, per_sequence_baseline=True, baseline_sample=4),
-        "W7": lambda: Workload("W7", "32k-token agentic paths: 8k system prompt, 6 turns branching at tool calls, "
-                               "64 leaves", agentic_tree(vocab, system=8000, turns=SCALE_TURNS, seed=7), 8000,
-                               per_sequence_baseline=True, baseline_sample=2),
+        "W7": lambda: Workload("W7", f"{(w7_system + sum(n for n, _ in scaled_turns)) // 1000}k-token agentic paths: "
+                               f"{w7_system // 1000}k system prompt, 6 turns branching at tool calls, 64 leaves",
+                               agentic_tree(vocab, system=w7_system, turns=scaled_turns, seed=7), w7_system,
+                               per_sequence_baseline=True, baseline_sample=2 if w7_scale <= 1 else 1),
     }
     unknown = set(names) - set(builders)
     if unknown:
