@@ -156,8 +156,9 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
                 keeps = r["path"].startswith("tree_packed") and r["path"] != "tree_packed_recompute"
                 r["fraction_of_flop_limit"] = round(r["speedup"] / (limit if keeps else limit_recompute), 3)
                 r["speedup_over_T_U"] = round(r["speedup"] / (T / U), 3)
-    by["tree_packed"]["root_split"] = split
-    pf, tp = by.get("padding_free", {}).get("ms"), by["tree_packed"].get("ms")
+    if "tree_packed" in by:  # (left out by --paths)
+        by["tree_packed"]["root_split"] = split
+    pf, tp = by.get("padding_free", {}).get("ms"), by.get("tree_packed", {}).get("ms")
     single = by.get("longest_single", {})
     walks = [w_ + tag for tag in ("", *(f"@{b}" for b in backends[1:])) for w_ in ("tree_dfs", "tree_dfs_graphs")]
     for walk in walks:
