@@ -126,3 +126,20 @@ def test_forward_only_walks_take_larger_groups():
         for u in plan.units:
             assert fwd.unit_bytes(u.num_tokens, u.depth) <= fwd.reference or u.num_tokens <= fwd.floor
 
+
+
+def test_w7_family_and_the_largest_trees_each_mode_trains():
+    """W7 is built only when named, and scaled keeps its shape (T/U fixed, paths scaled); the memory
+    model's largest trees agree with what the H200 measured at 7B (docs/benchmarks/suite_long_h200.json):
+    W7 ran out of memory packed and trained in dfs, and so did W7 scaled by 2."""
+    from trl_tree.bench.dfs import largest_trees
+
+    assert "W7" not in {w.name for w in suite_workloads(100)}
+    (quarter,) = suite_workloads(100, {"W7"}, 0.25)
+    forest = PrefixForest.from_sequences(quarter.sequences)
+    assert forest.max_depth == 8000 and abs(forest.num_tokens / forest.num_unique_tokens - 12.19) < 0.01
+    rows = {r["scale"]: r for r in largest_trees(shaped_config("7b"), 139)}
+    assert not rows[1]["packed_fits"] and rows[1]["dfs_fits"] and rows[2]["dfs_fits"]
+    assert rows[0.5]["packed_fits"]
+    fits = [r["dfs_fits"] for r in rows.values()]
+    assert fits == sorted(fits, reverse=True)  # a larger tree never fits where a smaller one did not
