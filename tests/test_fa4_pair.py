@@ -55,6 +55,7 @@ def fa4_on_cpu(monkeypatch):
     """``attn_backend="flash"`` with the stand-in FA4 registered as its pair (no dense pair on a CPU)."""
     interface = types.SimpleNamespace(_flash_attn_fwd=_fake_fwd, _flash_attn_bwd=_fake_bwd)
     monkeypatch.setattr(fa4, "_interface", lambda: interface)
+    fa4.fa4_pair_available.cache_clear()
     monkeypatch.delitem(partial.PARTIAL_KERNELS, "flash", raising=False)
     monkeypatch.setattr(partial, "DENSE_KERNELS", dict(partial.DENSE_KERNELS))
     monkeypatch.setattr(partial, "PLANNED_DENSE", set(partial.PLANNED_DENSE))
@@ -64,6 +65,7 @@ def fa4_on_cpu(monkeypatch):
     CALLS.clear()
     yield
     partial.PARTIAL_KERNELS.pop("flash", None)
+    fa4.fa4_pair_available.cache_clear()
 
 
 @pytest.mark.parametrize("split", [False, True, None], ids=["whole-paths", "split", "auto"])
@@ -130,3 +132,21 @@ def test_dfs_with_flash_attn_2_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, ""))
     with pytest.raises(ValueError, match="FlashAttention-4"):
         walk.resolve_dfs_backend("flash", torch.device("cuda"), torch.bfloat16)
+
+
+def test_an_fa4_release_with_other_arguments_is_not_used(monkeypatch):
+    """A release whose private functions lost an argument this module passes is not registered (auto
+    keeps PyTorch's FA2) instead of failing inside a training step."""
+    def renamed_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    softmax_scale=None, causal=False, return_softmax_lse=False):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(fa4, "_interface", lambda: types.SimpleNamespace(_flash_attn_fwd=renamed_fwd,
+                                                                          _flash_attn_bwd=_fake_bwd))
+    monkeypatch.delitem(partial.PARTIAL_KERNELS, "flash", raising=False)
+    fa4.fa4_pair_available.cache_clear()
+    try:
+        assert not fa4.fa4_pair_available() and not fa4.register_fa4()
+        assert "flash" not in partial.PARTIAL_KERNELS
+    finally:
+        fa4.fa4_pair_available.cache_clear()

@@ -59,10 +59,29 @@ def fa4_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: 
     return dq, dk, dv
 
 
+#: the keyword arguments this module passes to FA4's private functions: a release that renamed any
+#: of them is not used (``auto`` then keeps PyTorch's FA2) rather than failing inside a training step
+_FWD_ARGS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                       "return_lse", "window_size_left", "window_size_right"})
+_BWD_ARGS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "window_size_left",
+                       "window_size_right"})
+
+
+@functools.cache
 def fa4_pair_available() -> bool:
-    """Whether FA4's forward/backward pair can be imported here (not whether a GPU can run it)."""
+    """Whether FA4's forward/backward pair can be imported here and takes the arguments this module
+    passes (not whether a GPU can run it)."""
+    import inspect
+
     module = _interface()
-    return module is not None and all(hasattr(module, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd"))
+    if module is None or not all(hasattr(module, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
+        return False
+    try:
+        fwd = inspect.signature(module._flash_attn_fwd).parameters
+        bwd = inspect.signature(module._flash_attn_bwd).parameters
+    except (TypeError, ValueError):
+        return False
+    return _FWD_ARGS <= set(fwd) and _BWD_ARGS <= set(bwd)
 
 
 def register_fa4() -> bool:
