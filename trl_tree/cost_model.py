@@ -203,6 +203,14 @@ class StepCost:
     attention_pairs: int
 
 
+def layer_weights(config) -> int:
+    """Weights of one decoder layer's matrix products: the query, key, value and output projections
+    and the gated MLP's three (norms and biases aside)."""
+    h, heads, head_dim = config.hidden_size, config.num_attention_heads, head_dim_of(config)
+    kv, inter = kv_heads_of(config), intermediate_size_of(config)
+    return h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+
+
 def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_recompute: bool = True) -> float:
     """FLOPs of forward + backward (+ the recompute under gradient checkpointing).
 
@@ -214,11 +222,8 @@ def step_flops(cost: StepCost, config, gradient_checkpointing: bool, attention_r
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = head_dim_of(config)
-    kv = config.num_key_value_heads
-    inter = config.intermediate_size
     layers = config.num_hidden_layers
-    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
-    body_fwd = 2 * per_layer * layers * cost.tokens
+    body_fwd = 2 * layer_weights(config) * layers * cost.tokens
     attn_fwd = 4 * heads * head_dim * layers * cost.attention_pairs
     head_fwd = 2 * h * config.vocab_size * cost.predictions
     passes = 3 + (1 if gradient_checkpointing else 0)  # fwd + bwd (2x) [+ recompute]

@@ -294,7 +294,7 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
     see :func:`keeps_attention`; ``meta``: the forest's metadata if already built;
     ``checkpointing``: :func:`_checkpointing`'s answer if the caller has it)."""
-    backend = (meta.backend if meta is not None and attn_backend == "auto" else  # a graphed call's choice
+    backend = (meta.backend if meta is not None else  # resolved when it was built (a graphed call's choice)
                resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
                                hidden_size=parts.hidden_size, **attention_features(parts.causal_lm.config)))
     install(parts.causal_lm.config._attn_implementation)

@@ -64,13 +64,13 @@ def largest_trees(config, memory_gib: float, scales=None) -> list[dict]:
     fits ``memory_gib`` less ``TRAINING_BYTES_PER_PARAMETER`` per parameter. The largest fitting
     ``f`` per mode is the largest tree it trains; the suite's measured peaks on W6/W7 check the model."""
     from ..cost_model import ActivationModel
-    from .workloads import SCALE_TURNS
+    from .workloads import SCALE_SYSTEM, SCALE_TURNS
 
     params = _parameters(config)
     free = memory_gib * 2**30 - params * TRAINING_BYTES_PER_PARAMETER
     packed_model = ActivationModel.of(config, True, keep_attention=True)
     walk_model = ActivationModel.of(config, True)
-    system, turns = 8000, SCALE_TURNS
+    system, turns = SCALE_SYSTEM, SCALE_TURNS
     rows = []
     for f in scales or (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8):
         path = round(f * (system + sum(n for n, _ in turns)))
@@ -88,13 +88,11 @@ def largest_trees(config, memory_gib: float, scales=None) -> list[dict]:
 
 def _parameters(config) -> int:
     """Parameter count of a Qwen2-shaped decoder (embeddings and LM head untied when the config says so)."""
-    from ..model_parts import head_dim_of, intermediate_size_of, kv_heads_of
+    from ..cost_model import layer_weights
 
-    h, inter, hd = config.hidden_size, intermediate_size_of(config), head_dim_of(config)
-    attn = h * config.num_attention_heads * hd * 2 + h * kv_heads_of(config) * hd * 2
-    layer = attn + 3 * h * inter + 2 * h
+    h = config.hidden_size
     embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return config.num_hidden_layers * layer + embed
+    return config.num_hidden_layers * (layer_weights(config) + 2 * h) + embed  # + the two norms
 
 
 def main(argv: list[str] | None = None) -> int:

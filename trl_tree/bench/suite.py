@@ -163,7 +163,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
     walks = [w_ + tag for tag in ("", *(f"@{b}" for b in backends[1:])) for w_ in ("tree_dfs", "tree_dfs_graphs")]
     for walk in walks:
         dfs = by.get(walk, {})
-        packed_ms = by.get("tree_packed" + walk[len(walk.split("@")[0]):], {}).get("ms")  # the same backend's
+        _, at, other = walk.partition("@")
+        packed_ms = by.get("tree_packed" + at + other, {}).get("ms")  # the same backend's packed step
         if "ms" in dfs:
             from .dfs import walk_shape
 

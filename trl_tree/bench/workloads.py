@@ -51,6 +51,7 @@ LONG_AGENTIC_TURNS = ((2000, 2), (1500, 2), (1000, 2), (800, 2), (500, 2))
 #: W7: 32k-token paths — an 8k system prompt and six turns, each branching two ways at its tool call:
 #: 64 trajectories of 32,000 tokens (T = 2,048,000, U = 168,000, T/U = 12.2); the scale target of one
 #: H200 at 7B
+SCALE_SYSTEM = 8000
 SCALE_TURNS = ((12000, 2), (6000, 2), (3000, 2), (1500, 2), (1000, 2), (500, 2))
 
 
@@ -72,7 +73,7 @@ def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORK
     system prompt and turns that many times as long (the largest trees a mode trains,
     ``bench.dfs.largest_trees``)."""
     scaled_turns = tuple((round(n * w7_scale), b) for n, b in SCALE_TURNS)
-    w7_system = round(8000 * w7_scale)
+    w7_system = round(SCALE_SYSTEM * w7_scale)
     builders = {
         "W1": lambda: Workload("W1", "GRPO G=16, prompt 2048, completion 512",
                                grpo_group(2048, 512, 16, vocab, seed=1), 2048),
