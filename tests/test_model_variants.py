@@ -95,6 +95,9 @@ def test_variants_refused_where_a_kernel_cannot_compute_them():
     assert "soft-capping" in attention_refusal(gemma, "torch_flash", torch.device("cpu"), torch.float32, "packed")
     plain = tiny_model("qwen2")
     assert "needs a CUDA device" in attention_refusal(plain, "torch_flash", torch.device("cpu"), torch.float32, "dfs")
+    # the walk's own refusals come at construction too, not at the first step
+    assert "not available in mode='dfs'" in attention_refusal(plain, "flex", torch.device("cpu"), torch.float32, "dfs")
+    assert "needs a CUDA device" in attention_refusal(plain, "flex", torch.device("cpu"), torch.float32, "packed")
 
 
 def _padded_moe_reference(model, seqs, logp_weight, aux_weight):

@@ -68,5 +68,13 @@ def attention_refusal(model, attn_backend: str, device: torch.device, dtype: tor
     why = unsupported_variant(backend, mode, features["softcap"], features["sinks"])
     if why is not None:
         return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"
+    if mode == "dfs":  # the walk's own rule: which backends it takes at all, and whether this one runs here
+        from ..dfs.walk import resolve_dfs_backend
+
+        try:
+            resolve_dfs_backend(backend, device, dtype, **features)
+        except ValueError as e:
+            return str(e)
+        return None
     ok, reason = backend_available(backend, device, dtype)
     return None if ok else reason
