@@ -266,8 +266,8 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_compile_layers="yes")
 
 
-@pytest.mark.parametrize("mode,buckets", [("packed", False), ("packed", True), ("dfs", False)],
-                         ids=["exact", "buckets", "dfs"])
+@pytest.mark.parametrize("mode,buckets", [("packed", False), ("packed", True), ("dfs", False), ("dfs", True)],
+                         ids=["exact", "buckets", "dfs", "dfs-buckets"])
 def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, buckets):
     """``tree_cuda_graphs=True``: with num_iterations = 2 every micro-batch's layout comes back, so its
     second pass replays the captured graphs (the CPU stand-in of ``trl_tree.graphs``; in dfs mode the

@@ -424,6 +424,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     one forward+backward of the longest sequence, or ``memory_budget`` when given. ``cuda_graphs``:
     its units replay CUDA graphs where captured (``dfs/graphs.py``)."""
     from .cost_model import GroupBudget
+    from .dfs.buckets import PADDED_BUDGET_SCALE
     from .dfs.graphs import walk_graphs
     from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
 
@@ -437,7 +438,14 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
             forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
             dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
             forward_only=forward_only)
-    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs)
+    buckets = graphs is not None and cuda_graphs == "buckets"
+    if buckets and group_tokens is not None:  # a padded group stays within the memory its budget was sized for
+        budget = group_tokens
+
+        def group_tokens(depth: int) -> int:
+            return max(int(budget(depth) * PADDED_BUDGET_SCALE), budget.floor)
+
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs, buckets)
 
 
 def _checkpointing(parts: ModelParts) -> bool:
@@ -483,8 +491,9 @@ def tree_logprobs(
     ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
     graphs of their layout padded to buckets (``attention/buckets.py``; pays where the host is the
     bound — small models — and costs the padding elsewhere). With ``mode="dfs"`` (grad enabled or
-    not) the walk's units replay CUDA graphs once their shape has been seen before, "buckets" as
-    True (``dfs/graphs.py``).
+    not) the walk's units replay CUDA graphs once their shape has been seen before; "buckets" also
+    replays units whose shape does not repeat from the graphs of the unit padded to buckets
+    (``dfs/graphs.py``, ``dfs/buckets.py``).
     ``rope_length``: for a RoPE whose frequencies depend on the length (dynamic NTK, LongRoPE), the
     length they are chosen for — a trainer passes its padded batch's width, which is what the
     untreed padded forward shows them; None: the longest sequence. Other models ignore it.

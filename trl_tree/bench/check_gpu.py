@@ -99,7 +99,7 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
     and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds),
     replaying the graphs of the layout padded to buckets (``attention/buckets.py``), and the walk
-    replaying its units' graphs (``dfs/graphs.py``)."""
+    replaying its units' graphs (``dfs/graphs.py``), exact and padded to buckets (``dfs/buckets.py``)."""
     paths = []
     for b in BACKENDS:
         if b in PARTIAL_KERNELS:
@@ -113,9 +113,11 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
         else:
             paths.append((b, "packed", None, False, False, f"packed/{b}"))
     paths += [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
-    # the walk's units replayed (trl_tree/dfs/graphs.py), plain and under checkpointing
-    return paths + [(b, "dfs", None, ckpt, True, f"dfs/{b}{'+ckpt' if ckpt else ''}+graphs")
-                    for b in DFS_BACKENDS for ckpt in (False, True)]
+    # the walk's units replayed (trl_tree/dfs/graphs.py), plain and under checkpointing, and padded to
+    # buckets (trl_tree/dfs/buckets.py), as free-length rollouts replay them
+    paths += [(b, "dfs", None, ckpt, True, f"dfs/{b}{'+ckpt' if ckpt else ''}+graphs")
+              for b in DFS_BACKENDS for ckpt in (False, True)]
+    return paths + [(b, "dfs", None, True, "buckets", f"dfs/{b}+ckpt+graphs+buckets") for b in DFS_BACKENDS]
 
 
 def _check_kernel_pairs(device: torch.device) -> tuple[bool, list[dict]]:

@@ -151,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = {"fwd_bwd_ms": round(statistics.median(times) * 1e3, 1), "steps_timed": len(times),
                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                          "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
+        from ..dfs.graphs import unit_graph_stats
+
+        stats = unit_graph_stats(trainer.accelerator.unwrap_model(trainer.model))
+        if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
+            results[mode]["unit_graphs"] = stats
         for key in ("tree/rank_imbalance", "tree/rank_imbalance_stock"):  # estimated max/mean cost over ranks
             if key in logs[-1]:
                 results[mode][key.split("/")[1]] = round(logs[-1][key], 4)

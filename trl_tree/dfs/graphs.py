@@ -88,6 +88,8 @@ class WalkGraphs:
     dirty: bool = False  # a walk started and has not finished: gradient slots may hold leftovers
     walks: int = 0  # walks so far (a graph records the last one that used it)
     sightings: OrderedDict = field(default_factory=OrderedDict)  # signature -> times seen, not captured
+    replayed: int = 0  # units served by a graph (captures included), since the graphs were made
+    eager: int = 0  # units run eagerly (no graph yet, or one that cannot be kept)
 
     def stack_for(self, num_layers: int, slots: int, grad_slots: int) -> KVStack:
         """The kept stack, or a larger new one (every unit graph dropped: they hold the old buffers)."""
@@ -122,6 +124,18 @@ def walk_graphs(parts: ModelParts, backend: str, features: dict) -> WalkGraphs |
     return state
 
 
+def unit_graph_stats(model: torch.nn.Module) -> dict[str, int] | None:
+    """How the walk's units of ``model`` ran since its unit graphs were made: ``graphs`` kept now
+    (``padded``: of units padded to buckets), units ``replayed`` (captures included) and run
+    ``eager``; None if its walk never replayed. For benchmarks and for a user asking whether
+    ``cuda_graphs`` pays on their rollouts."""
+    state = _WALK_GRAPHS.get(model)
+    if state is None:
+        return None
+    padded = sum(1 for g in state.units.values() if g.meta.own_slots is not None)
+    return {"graphs": len(state.units), "padded": padded, "replayed": state.replayed, "eager": state.eager}
+
+
 def _static_meta(meta: UnitAttentionMetadata, stack: KVStack) -> UnitAttentionMetadata:
     """A copy of ``meta`` whose layout tensors belong to the graph (its static inputs)."""
     tensors = {f.name: getattr(meta, f.name).clone() for f in packed_graphs._data_fields(meta)
@@ -143,56 +157,86 @@ class UnitReplay:
                            torch.is_autocast_enabled(parts.device.type),
                            packed_graphs._module_state(runner.modules, runner.adapters))
 
-    def _graph(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, train: bool,
-               head_grad: bool) -> _UnitGraph | None:
+    def _signature(self, meta: UnitAttentionMetadata, src: torch.Tensor, train: bool, head_grad: bool) -> tuple:
+        return ("dfs-unit", train, head_grad, *self.call_state, tuple(src.shape), packed_graphs._layout_signature(meta))
+
+    def _sighted(self, signature: tuple, train: bool) -> bool:
+        """Count a sighting of an uncaptured ``signature``; True when it is due for capture now."""
         state = self.state
-        signature = ("dfs-unit", train, head_grad, *self.call_state, tuple(src.shape),
-                     packed_graphs._layout_signature(meta))
-        graph = state.units.get(signature)
+        seen = state.sightings.pop(signature, 0) + 1
+        # a full cache whose oldest graph served this walk or the last one keeps its graphs: walks
+        # of more shapes than it holds would otherwise capture them all anew every time (LRU
+        # under cyclic access); the shapes it cannot hold run eagerly
+        full = (len(state.units) >= UNIT_GRAPH_CACHE_SIZE
+                and next(iter(state.units.values())).walk >= state.walks - 1)
+        ready = self.ready[train]
+        if seen >= packed_graphs.CAPTURE_AT_SIGHTING and ready and not full and state.runner.params:
+            return True
+        state.sightings[signature] = min(seen, packed_graphs.CAPTURE_AT_SIGHTING - 1) if ready else seen
+        while len(state.sightings) > SIGHTINGS_KEPT:
+            state.sightings.popitem(last=False)
+        return False
+
+    def _graph(self, unit: tuple, train: bool, head_grad: bool, padded: tuple | None) -> _UnitGraph | None:
+        """The graph that serves ``unit`` = ``(meta, src, targets)``, its inputs copied in; ``padded``:
+        the same unit padded to buckets (``dfs/buckets.py``), or None. In this order, as the packed
+        graphs (``graphs.graphed_scores``): the unit's own graph, if captured; its bucket's, if
+        captured; its own, captured now at its second sighting (units of one shape in a walk, the
+        same forest again); its bucket's, captured now at the bucket's second sighting (free-length
+        rollouts); else None (run it eagerly)."""
+        state = self.state
+        signature = self._signature(unit[0], unit[1], train, head_grad)
+        graph = state.units.get(signature) if packed_graphs.EXACT_LAYOUTS else None
+        inputs = unit
+        padded_signature = None
+        if graph is None and padded is not None and packed_graphs.BUCKETS:
+            padded_signature = self._signature(padded[0], padded[1], train, head_grad)
+            graph = state.units.get(padded_signature)
+            if graph is not None:
+                signature, inputs = padded_signature, padded
         if graph is None:
-            seen = state.sightings.pop(signature, 0) + 1
-            # a full cache whose oldest graph served this walk or the last one keeps its graphs: walks
-            # of more shapes than it holds would otherwise capture them all anew every time (LRU
-            # under cyclic access); the shapes it cannot hold run eagerly
-            full = (len(state.units) >= UNIT_GRAPH_CACHE_SIZE
-                    and next(iter(state.units.values())).walk >= state.walks - 1)
-            ready = self.ready[train]
-            if seen < packed_graphs.CAPTURE_AT_SIGHTING or not ready or full or not state.runner.params:
-                state.sightings[signature] = min(seen, packed_graphs.CAPTURE_AT_SIGHTING - 1) if ready else seen
-                while len(state.sightings) > SIGHTINGS_KEPT:
-                    state.sightings.popitem(last=False)
-                return None
+            if not (packed_graphs.EXACT_LAYOUTS and self._sighted(signature, train)):
+                if padded_signature is None or not self._sighted(padded_signature, train):
+                    state.eager += 1
+                    return None
+                signature, inputs = padded_signature, padded
+            meta, src, targets = inputs
             graph = _UnitGraph(_static_meta(meta, state.stack), src.clone(), targets.clone(), train)
             self._capture(graph, head_grad)
             state.units[signature] = graph
             while len(state.units) > UNIT_GRAPH_CACHE_SIZE:
                 state.units.popitem(last=False)
         else:
+            meta, src, targets = inputs
             state.units.move_to_end(signature)
             packed_graphs._copy_layout(graph.meta, meta)
             graph.src.copy_(src)
             graph.targets.copy_(targets)
         graph.walk = state.walks
+        state.replayed += 1
         return graph
 
-    def forward(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor
+    def forward(self, unit: tuple, padded: tuple | None = None
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """A forward-only unit replayed: its K/V written into the stack, and its rows' ``(logps,
-        entropies)`` (None for entropies not asked); None: not captured (run it eagerly)."""
-        graph = self._graph(meta, src, targets, False, False)
+        """A forward-only unit ``(meta, src, targets)`` replayed (``padded``: the same unit padded
+        to buckets, or None): its K/V written into the stack, and its rows' ``(logps, entropies)``
+        (None for entropies not asked); None: not captured (run it eagerly)."""
+        graph = self._graph(unit, False, False, padded)
         if graph is None:
             return None
         self.state.runner.replay_forward(graph)  # the pool's activations are this graph's now
+        rows = unit[1].shape[0]  # a padded graph's pad rows are cut off
         logp, *rest = graph.outputs
-        return logp, (rest[0] if self.with_entropy else None)
+        return logp[:rows], (rest[0][:rows] if self.with_entropy else None)
 
-    def train(self, meta: UnitAttentionMetadata, src: torch.Tensor, targets: torch.Tensor, head_grad: bool
+    def train(self, unit: tuple, head_grad: bool, padded: tuple | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-        """A training unit replayed: ``(logps, entropies, anchor, hidden_rows)`` whose backward replays
-        the unit's backward graph (``graphs._ReplayedScores``; ``anchor``: a zero that reaches every
-        layer, so the backward runs even without loss terms; ``hidden_rows``: the rows' final hidden
-        states, constant). None: not captured (run it eagerly)."""
-        graph = self._graph(meta, src, targets, True, head_grad)
+        """A training unit ``(meta, src, targets)`` replayed (``padded`` as in :meth:`forward`):
+        ``(logps, entropies, anchor, hidden_rows)`` whose backward replays the unit's backward graph
+        (``graphs._ReplayedScores``; ``anchor``: a zero that reaches every layer, so the backward runs
+        even without loss terms; ``hidden_rows``: the rows' final hidden states, constant). A padded
+        graph's pad rows are cut off here: their gradient is zero. None: not captured (run it eagerly)."""
+        graph = self._graph(unit, True, head_grad, padded)
         if graph is None:
             return None
         # the autograd node hangs off a fresh leaf, not the parameters: an edge to a parameter would keep
@@ -200,9 +244,10 @@ class UnitReplay:
         # backward would then accumulate on this stream (CUDA refuses: cudaErrorStreamCaptureImplicit)
         leaf = torch.zeros((), device=graph.src.device, requires_grad=True)
         out = packed_graphs._ReplayedScores.apply(self.state.runner, graph, leaf)
+        rows = unit[1].shape[0]
         logp, *rest = out
-        ent = rest[0] if self.with_entropy else None
-        return logp, ent, rest[-1], graph.hidden_rows
+        ent = rest[0][:rows] if self.with_entropy else None
+        return logp[:rows], ent, rest[-1], graph.hidden_rows[:rows]
 
     # ------------------------------------------------------------------ capture
     def _capture(self, graph: _UnitGraph, head_grad: bool) -> None:

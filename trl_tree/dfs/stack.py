@@ -28,9 +28,11 @@ import torch
 
 from .._device import upload
 from ..attention.backends import masked_attention, to_varlen
+from ..attention.buckets import _power_of_two
 from ..attention.metadata import tree_visibility
 from ..attention.partial import PARTIAL_KERNELS, dense_kernels, dense_shape_seen, merge_partials
 from ..forest import PrefixForest
+from .buckets import padded_unit_layout
 from .plan import Unit, unit_layout
 
 
@@ -118,6 +120,11 @@ class UnitAttentionMetadata:
     prefix_cu_k: torch.Tensor  # [0, depth]
     subtree_end: torch.Tensor  # [n] unit-relative, for the explicit mask of the reference backends
     one_segment: bool = False  # the unit is one node: its own part is a single causal segment
+    # a unit padded to buckets (``dfs/buckets.py``): ``depth`` and ``num_tokens`` are the padded
+    # counts, the real depth is ``prefix_cu_k[1]`` (device data)
+    own_slots: torch.Tensor | None = None  # [n] the stack slots of the unit's own K/V; None: [depth, depth + n)
+    prefix_valid: torch.Tensor | None = None  # [depth] bool: prefix slots below the real depth
+    kv_scatter: torch.Tensor | None = None  # [len(kv_local)]: where the own keys' gradients go (row n: dropped)
     graphed: bool = False  # replayed from a CUDA graph (``dfs/graphs.py``): dense shapes need no sightings
     calls: int = 0
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
@@ -129,26 +136,56 @@ class UnitAttentionMetadata:
                   device: torch.device) -> list[UnitAttentionMetadata]:
         """Every unit's metadata from two uploads (int64 and int32) made before any compute."""
         layouts = [unit_layout(forest, u) for u in units]
+        return cls._from_layouts(layouts, units, forest.max_depth, stack, backend, device)
+
+    @classmethod
+    def build_padded(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
+                     device: torch.device, rows_src: list[np.ndarray], rows_targets: list[np.ndarray]
+                     ) -> tuple[list[UnitAttentionMetadata], list[torch.Tensor], list[torch.Tensor]]:
+        """Every unit padded to buckets (``dfs/buckets.py``): ``(metas, src, targets)``, ``rows_src``
+        and ``rows_targets`` being each unit's scored rows (unit-relative sources, target tokens)."""
+        layouts = [padded_unit_layout(unit_layout(forest, u), u, s, t)
+                   for u, s, t in zip(units, rows_src, rows_targets)]
+        metas = cls._from_layouts(layouts, units, _power_of_two(forest.max_depth), stack, backend, device)
+        rows = upload([a for layout in layouts for a in (layout["src"], layout["targets"])], torch.int64, device)
+        return metas, rows[0::2], rows[1::2]
+
+    @classmethod
+    def _from_layouts(cls, layouts: list[dict], units: list[Unit], max_depth: int, stack: KVStack, backend: str,
+                      device: torch.device) -> list[UnitAttentionMetadata]:
+        padded = "own_slots" in layouts[0]
         long_arrays, int_arrays = [], []
         for layout, unit in zip(layouts, units):
             long_arrays += [layout["tokens"], layout["position_ids"], layout["subtree_end"], layout["kv_local"]]
-            int_arrays += [layout["cu_seqlens_q"], layout["cu_seqlens_k"], np.array([0, unit.num_tokens]),
-                           np.array([0, unit.depth])]
+            if padded:
+                scatter = layout["kv_scatter"]
+                long_arrays += [layout["own_slots"], scatter if scatter is not None else np.zeros(0, np.int64)]
+            n = layout["tokens"].shape[0]
+            int_arrays += [layout["cu_seqlens_q"], layout["cu_seqlens_k"], np.array([0, n]),
+                           np.array([0, layout.get("real_depth", unit.depth)])]
         longs = upload(long_arrays, torch.int64, device)
         ints = upload(int_arrays, torch.int32, device)
+        per = 6 if padded else 4
         metas = []
         for i, (layout, unit) in enumerate(zip(layouts, units)):
-            tokens, positions, subtree_end, kv_local = longs[4 * i : 4 * i + 4]
+            tokens, positions, subtree_end, kv_local = longs[per * i : per * i + 4]
             cu_q, cu_k, prefix_cu_q, prefix_cu_k = ints[4 * i : 4 * i + 4]
-            n = unit.num_tokens
+            n = tokens.shape[0]
+            own_only = layout.get("own_only", kv_local.shape[0] == n)  # n rows: each node sees only itself
+            depth = layout.get("depth", unit.depth)
+            extra = {}
+            if padded:
+                own_slots, scatter = longs[per * i + 4 : per * i + 6]
+                extra = {"own_slots": own_slots, "kv_scatter": None if own_only else scatter,
+                         "prefix_valid": torch.arange(depth, device=device) < prefix_cu_k[1:]}
             metas.append(cls(
-                backend=backend, stack=stack, depth=unit.depth, num_tokens=n, max_depth=forest.max_depth,
+                backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth,
                 pushed=unit.pushed, input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                kv_local=None if kv_local.shape[0] == n else kv_local,  # n rows: each node sees only itself
+                kv_local=None if own_only else kv_local,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=int(layout["max_seqlen_q"]), max_seqlen_k=int(layout["max_seqlen_k"]),
                 prefix_cu_q=prefix_cu_q, prefix_cu_k=prefix_cu_k, subtree_end=subtree_end,
-                one_segment=len(layout["cu_seqlens_q"]) == 2 and kv_local.shape[0] == n,
+                one_segment=len(layout["cu_seqlens_q"]) == 2 and own_only, **extra,
             ))
         return metas
 
@@ -158,7 +195,9 @@ class UnitAttentionMetadata:
         depth j)."""
         if self._mask is None:
             inner = tree_visibility(self.subtree_end)
-            self._mask = torch.cat([inner.new_ones(self.num_tokens, self.depth), inner], dim=1)
+            prefix = (inner.new_ones(self.num_tokens, self.depth) if self.prefix_valid is None
+                      else self.prefix_valid.expand(self.num_tokens, self.depth))  # padded: the real depth's slots
+            self._mask = torch.cat([prefix, inner], dim=1)
         if window is None:
             return self._mask
         depth_q = self.position_ids[0]
@@ -222,7 +261,9 @@ def _kernel_pairs(meta: UnitAttentionMetadata, q: torch.Tensor):
         model = (*q.shape[1:], str(q.dtype))
         g = meta.graphed
         own = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, n, g) if meta.one_segment else None
-        prefix = dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d, g) if d else None
+        # a padded unit's prefix is bounded by the kernel's cu_seqlens_k: the varlen kernel's, not a dense block
+        prefix = (dense_kernels(meta.backend, q.device, q.dtype, q.shape[-1], n, d, g)
+                  if d and meta.prefix_valid is None else None)
         # a captured graph plans its shapes once, at the capture, and replays them
         if own is not None and not g and not dense_shape_seen(meta.backend, ("unit", n, *model)):
             own = None
@@ -237,20 +278,60 @@ def _own_rows(meta: UnitAttentionMetadata, x: torch.Tensor) -> torch.Tensor:
     return x if meta.kv_local is None else x.index_select(0, meta.kv_local)
 
 
+def _own_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
+    """The unit's own rows of a stack buffer (K, V or their gradients)."""
+    d, n = meta.depth, meta.num_tokens
+    return buf[d : d + n] if meta.own_slots is None else buf.index_select(0, meta.own_slots)
+
+
+def _reference_keys(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
+    """The prefix slots then the unit's own rows: the keys (or values) of the reference backends."""
+    d, n = meta.depth, meta.num_tokens
+    return buf[: d + n] if meta.own_slots is None else torch.cat([buf[:d], _own_slots(meta, buf)])
+
+
+def _add_prefix_grads(meta: UnitAttentionMetadata, gk: torch.Tensor, gv: torch.Tensor, dk: torch.Tensor,
+                      dv: torch.Tensor) -> None:
+    """Add the prefix part's K/V gradients into the ancestors' slots; a padded unit's rows past its
+    real depth are undefined (the kernel does not write keys past ``cu_seqlens_k``) and are dropped."""
+    d = meta.depth
+    if meta.prefix_valid is not None:
+        keep = meta.prefix_valid[:, None, None]
+        dk, dv = dk.masked_fill(~keep, 0), dv.masked_fill(~keep, 0)
+    gk[:d] += dk
+    gv[:d] += dv
+
+
+def _own_key_grads(meta: UnitAttentionMetadata, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gathered key row's gradients summed per own row in fp32 (``kv_scatter``: a padded unit's
+    unread gather entries go to a row past the end, dropped)."""
+    n = like.shape[0]
+    index = meta.kv_local if meta.kv_scatter is None else meta.kv_scatter
+    out = torch.zeros((n + (meta.kv_scatter is not None), *like.shape[1:]), dtype=torch.float32, device=like.device)
+    return out.index_add_(0, index, rows.float())[:n]
+
+
 class _UnitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta: UnitAttentionMetadata, layer: int, scaling: float, variants=(None, None)):
         kb, vb = meta.stack.buffers(layer, k)
         d, n = meta.depth, meta.num_tokens
-        kb[d : d + n] = k
-        vb[d : d + n] = v
+        if meta.own_slots is None:
+            kb[d : d + n] = k
+            vb[d : d + n] = v
+        else:  # padded: the real depth is device data
+            kb.index_copy_(0, meta.own_slots, k)
+            vb.index_copy_(0, meta.own_slots, v)
         ctx.meta, ctx.layer, ctx.scaling, ctx.variants = meta, layer, scaling, (*variants, sinks)
         window = variants[0]
         if meta.backend not in PARTIAL_KERNELS:
-            out = _reference_attention(meta, q, kb[: d + n], vb[: d + n], scaling, ctx.variants)
+            out = _reference_attention(meta, q, _reference_keys(meta, kb), _reference_keys(meta, vb), scaling,
+                                       ctx.variants)
             ctx.save_for_backward(q, out)
             return out
         if window is not None:  # each node against the windowed slots of its path (``windowed_paths``)
+            if meta.own_slots is not None:
+                raise ValueError("a sliding window's unit is never padded to buckets (its units run eagerly)")
             index, cu_k, max_k = meta.windowed_paths(window)
             varlen = PARTIAL_KERNELS[meta.backend][0]
             out, lse, state = varlen(q, kb.index_select(0, index), vb.index_select(0, index), meta.cu_seqlens_q, cu_k,
@@ -296,40 +377,39 @@ class _UnitAttention(torch.autograd.Function):
             q, out, lse = ctx.saved_tensors
             own_pair, prefix_pair = _kernel_pairs(meta, q)
             own_state, prefix_state = ctx.states
-            k_own, v_own = kb[d : d + n], vb[d : d + n]
+            k_own, v_own = _own_slots(meta, kb), _own_slots(meta, vb)
             dq, dk_rows, dv_rows = own_pair[1](grad_out, q, _own_rows(meta, k_own), _own_rows(meta, v_own), out, lse,
                                             own_state, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                             meta.max_seqlen_k, True, ctx.scaling)
             if meta.kv_local is None:  # each key row is its own node's: nothing to sum
                 dk_own, dv_own = dk_rows, dv_rows
             else:  # a key row gathered for several nodes: sum its gradients in fp32
-                dk_own = torch.zeros(k_own.shape, dtype=torch.float32, device=q.device).index_add_(
-                    0, meta.kv_local, dk_rows.float())
-                dv_own = torch.zeros(v_own.shape, dtype=torch.float32, device=q.device).index_add_(
-                    0, meta.kv_local, dv_rows.float())
+                dk_own, dv_own = _own_key_grads(meta, dk_rows, k_own), _own_key_grads(meta, dv_rows, v_own)
             if d:
                 dq_p, dk_p, dv_p = prefix_pair[1](grad_out, q, kb[:d], vb[:d], out, lse, prefix_state, meta.prefix_cu_q,
                                             meta.prefix_cu_k, n, d, False, ctx.scaling)
                 dq = dq + dq_p  # summed at fp32 precision, rounded once (bf16 arithmetic's opmath): no cast kernels
-                gk[:d] += dk_p
-                gv[:d] += dv_p
+                _add_prefix_grads(meta, gk, gv, dk_p, dv_p)
         else:
             q, _ = ctx.saved_tensors
             window, softcap, sinks = ctx.variants
             with torch.enable_grad():
                 q_ = q.detach().requires_grad_()
-                k_all = kb[: d + n].detach().requires_grad_()
-                v_all = vb[: d + n].detach().requires_grad_()
+                k_all = _reference_keys(meta, kb).detach().requires_grad_()
+                v_all = _reference_keys(meta, vb).detach().requires_grad_()
                 s_ = sinks.detach().requires_grad_() if sinks is not None else None
                 ref = _reference_attention(meta, q_, k_all, v_all, ctx.scaling, (window, softcap, s_))
                 inputs = (q_, k_all, v_all) if s_ is None else (q_, k_all, v_all, s_)
                 dq, dk_all, dv_all, *d_sinks = torch.autograd.grad(ref, inputs, grad_out)
-            gk[:d] += dk_all[:d]
-            gv[:d] += dv_all[:d]
+            _add_prefix_grads(meta, gk, gv, dk_all[:d], dv_all[:d])
             dk_own, dv_own = dk_all[d:], dv_all[d:]
         if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these fp32 slots; free them
-            dk_own = gk[d : d + n] + dk_own  # fp32: the model-dtype gradient is promoted inside the add
-            dv_own = gv[d : d + n] + dv_own
-            gk[d : d + n] = 0
-            gv[d : d + n] = 0
+            dk_own = _own_slots(meta, gk) + dk_own  # fp32: the model-dtype gradient is promoted inside the add
+            dv_own = _own_slots(meta, gv) + dv_own
+            if meta.own_slots is None:
+                gk[d : d + n] = 0
+                gv[d : d + n] = 0
+            else:
+                gk.index_fill_(0, meta.own_slots, 0)
+                gv.index_fill_(0, meta.own_slots, 0)
         return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), (d_sinks[0] if d_sinks else None), None, None, None, None

@@ -35,6 +35,7 @@ from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
+from .buckets import padded_stack_size
 from .graphs import UnitReplay, WalkGraphs
 from .plan import WalkPlan, plan_walk
 from .stack import KVStack, UnitAttentionMetadata
@@ -80,7 +81,7 @@ class DepthFirstWalk:
 
     def __init__(self, parts: ModelParts, forest: PrefixForest, scoring: ScoringPlan, backend: str,
                  temperature: float, chunk_size: int | None, group_tokens: Callable[[int], int] | None = None,
-                 graphs: WalkGraphs | None = None) -> None:
+                 graphs: WalkGraphs | None = None, buckets: bool = False) -> None:
         self.parts = parts
         self.scoring = scoring
         self.backend = backend
@@ -89,14 +90,35 @@ class DepthFirstWalk:
         self.device = parts.device
         self.graphs = graphs  # replay units from CUDA graphs where captured (``dfs/graphs.py``)
         units = self.plan.units
+        slots = self.plan.stack_size
         grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)
+        buckets = buckets and graphs is not None
+        if buckets:  # the units padded to buckets read and write more slots (``dfs/buckets.py``)
+            slots, grad_slots = (max(a, b) for a, b in zip((slots, grad_slots), padded_stack_size(units)))
         if graphs is not None:  # the model's kept stack: the graphs are captured against its buffers
-            self.stack = graphs.stack_for(parts.num_layers, self.plan.stack_size, grad_slots)
+            self.stack = graphs.stack_for(parts.num_layers, slots, grad_slots)
         else:
-            self.stack = KVStack(parts.num_layers, self.plan.stack_size, grad_slots)
+            self.stack = KVStack(parts.num_layers, slots, grad_slots)
         self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device)
         self._upload_scoring()
+        #: per unit, ``(meta, src, targets)`` padded to buckets: what a replay uses where the unit's own
+        #: shape has no graph (free-length rollouts)
+        self.padded: list[tuple] | None = self._padded_units() if buckets else None
         install(parts.causal_lm.config._attn_implementation)
+
+    def _unit(self, u: int) -> tuple:
+        return self.metas[u], self.src[u], self.targets[u]
+
+    def _padded_unit(self, u: int) -> tuple | None:
+        return self.padded[u] if self.padded is not None else None
+
+    def _padded_units(self) -> list[tuple]:
+        plan, scoring = self.plan, self.scoring
+        src = [scoring.pred_src[rows] - unit.start for rows, unit in zip(plan.rows_of_unit, plan.units)]
+        targets = [plan.forest.tokens[scoring.pred_dst[rows]] for rows in plan.rows_of_unit]
+        metas, src, targets = UnitAttentionMetadata.build_padded(plan.forest, plan.units, self.stack, self.backend,
+                                                                 self.device, src, targets)
+        return list(zip(metas, src, targets))
 
     def _upload_scoring(self) -> None:
         """Per unit: its scoring rows (global ids), their sources (unit-relative) and targets, and
@@ -189,7 +211,7 @@ class DepthFirstWalk:
             if step.op == "pop":
                 continue
             u = step.unit
-            scores = replay.forward(self.metas[u], self.src[u], self.targets[u]) if replay is not None else None
+            scores = replay.forward(self._unit(u), self._padded_unit(u)) if replay is not None else None
             if scores is None:
                 hidden = self._forward(u)
                 if not self.rows[u].shape[0]:
@@ -221,7 +243,7 @@ class DepthFirstWalk:
         for step in self.plan.steps:
             u = step.unit
             if replay is not None and step.op == "push":
-                if replay.forward(self.metas[u], self.src[u], self.targets[u]) is None:
+                if replay.forward(self._unit(u), self._padded_unit(u)) is None:
                     with torch.no_grad():
                         self._forward(u)
                 continue
@@ -258,7 +280,7 @@ class DepthFirstWalk:
         loss value. Its own function so that nothing of the unit's autograd graph outlives it: a
         node alive at the next unit's capture would tie the capture to this stream (``dfs/graphs.py``)."""
         with torch.enable_grad():
-            scores = replay.train(self.metas[u], self.src[u], self.targets[u], head_grad=head is None)
+            scores = replay.train(self._unit(u), head is None, self._padded_unit(u))
             if scores is None:
                 loss = self._unit_loss(u, self._forward(u), token_loss, head, with_entropy)
             else:

@@ -116,7 +116,8 @@ class TreeArguments:
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
                   "replay the graphs of their layout padded to buckets (up to 12.5% more tokens, keys and "
-                  "predictions; trl_tree/attention/buckets.py). Pays where the host is the bound (small models with "
+                  "predictions; trl_tree/attention/buckets.py); in dfs mode, the walk's units padded to buckets "
+                  "(trl_tree/dfs/buckets.py). Pays where the host is the bound (small models with "
                   "free-length completions); on larger models the padding costs more than it saves "
                   "(docs/benchmarks/README.md, CUDA graphs)."},
     )

@@ -492,10 +492,10 @@ class TreeTrainerMixin:
 
     def _cuda_graphs(self) -> bool | str:
         """The engine's ``cuda_graphs`` for this trainer's calls: False (off), True, or ``"buckets"``
-        (``tree_cuda_graph_buckets``; packed calls only: the walk replays units of repeated shapes)."""
+        (``tree_cuda_graph_buckets``: packed layouts and the walk's units padded to buckets)."""
         if not self.args.tree_cuda_graphs:
             return False
-        return "buckets" if self.args.tree_cuda_graph_buckets and self.args.tree_mode != "dfs" else True
+        return "buckets" if self.args.tree_cuda_graph_buckets else True
 
     def _tree_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      batch_size: int | None) -> tuple[PaddedRows, list[list[int]], list[PrefixForest]]:
