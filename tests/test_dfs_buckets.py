@@ -149,7 +149,8 @@ def test_forward_only_walk_replays_padded_units(backend, monkeypatch):
 
 def test_padded_layout_keeps_every_real_number():
     """The layout invariants: the real segments, tokens and keys unchanged; pads close the last
-    segment; unread gather entries scatter past the end; the real depth stays device data."""
+    segment, empty segments follow; unread gather entries scatter past the end; the real depth
+    stays device data."""
     forest = PrefixForest.from_sequences(deep_tree(4, VOCAB, seed=5))
     children = np.flatnonzero(forest.node_parent == 0)
     first, last = int(children[0]), int(children[-1])
@@ -162,8 +163,11 @@ def test_padded_layout_keeps_every_real_number():
     n, n_b = unit.num_tokens, padded["tokens"].shape[0]
     assert n_b == dfs_buckets.bucket(n) and not padded["own_only"]
     assert (padded["tokens"][:n] == exact["tokens"]).all() and (padded["tokens"][n:] == 0).all()
-    assert (padded["cu_seqlens_q"][:-1] == exact["cu_seqlens_q"][:-1]).all()
-    assert padded["cu_seqlens_q"][-1] == n_b
+    segments = exact["cu_seqlens_q"].shape[0] - 1
+    assert (padded["cu_seqlens_q"][:segments] == exact["cu_seqlens_q"][:segments]).all()
+    assert (padded["cu_seqlens_q"][segments:] == n_b).all()  # pads close the last segment; then empty ones
+    padded_segments = padded["cu_seqlens_q"].shape[0] - 1
+    assert padded_segments >= segments and padded_segments & (padded_segments - 1) == 0
     keys = int(exact["cu_seqlens_k"][-1])
     assert (padded["kv_local"][:keys] == exact["kv_local"]).all()
     real_keys = int(padded["cu_seqlens_k"][-1])
@@ -171,4 +175,6 @@ def test_padded_layout_keeps_every_real_number():
     assert (padded["kv_scatter"][real_keys:] == n_b).all()
     assert padded["depth"] >= unit.depth and padded["real_depth"] == unit.depth
     assert (padded["own_slots"] == unit.depth + np.arange(n_b)).all()
-    assert (padded["src"][:3] == src).all() and padded["src"].shape[0] == dfs_buckets.bucket(3)
+    assert (padded["src"][:3] == src).all() and padded["src"].shape[0] == dfs_buckets.bucket(3)  # few rows: their own bucket
+    many = dfs_buckets.padded_unit_layout(exact, unit, np.arange(n - 1), np.zeros(n - 1, np.int64))
+    assert many["src"].shape[0] == n_b  # nearly every token scored: the tokens' bucket

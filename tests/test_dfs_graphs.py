@@ -132,6 +132,30 @@ def test_a_larger_walk_gets_a_new_stack_and_drops_the_unit_graphs(stand_in, monk
     assert_grads_close(grads, ref)
 
 
+def test_walks_needing_more_slots_one_way_and_the_other_keep_one_stack(stand_in, monkeypatch):
+    """Walk A needs many slots and few gradient slots (a short pushed prompt, one large group), walk
+    B the other way round (a long pushed prompt): the second new stack covers both, so alternating
+    walks keep it and their graphs instead of replacing it each time."""
+    monkeypatch.setattr(dfs_graphs, "STACK_SLOT_QUANTUM", 8)
+    wide = (grpo_group(4, 8, 8, VOCAB, seed=4), 64)  # stack (72, 8): a pushed prompt of 4, a group of 64
+    deep = (grpo_group(40, 2, 2, VOCAB, seed=5), 16)  # stack (48, 32): two chunks of the prompt pushed
+    model = _model()
+    _dfs_backward(model, wide[0], chunk_size=wide[1])
+    _dfs_backward(model, deep[0], chunk_size=deep[1])
+    state = _state(model)
+    stack = state.stack
+    assert (stack.slots, stack.grad_slots) == (72, 32)
+    for seqs, chunk_size in (wide, deep, wide, deep):
+        model.zero_grad(set_to_none=True)
+        ref_loss = untreed_backward(model, seqs, weighted_loss)
+        ref = grads_of(model)
+        loss, grads = _dfs_backward(model, seqs, chunk_size=chunk_size)
+        assert state.stack is stack
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+        assert_grads_close(grads, ref)
+    assert state.units  # captured on the kept stack, not dropped
+
+
 def test_a_walk_stopped_half_way_leaves_no_gradient_behind(stand_in):
     model = _model()
     for _ in range(2):

@@ -143,6 +143,8 @@ def _math_forward(q, k, v, segments, causal: bool, scale: float, top_left: bool,
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
     rep = q.shape[1] // k.shape[1]
     for sq, sk in segments:
+        if sq.start == sq.stop or sk.start == sk.stop:  # an empty segment: rows keep out 0, lse -inf
+            continue
         scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left, window)
         seg_lse = torch.logsumexp(scores, dim=-1)  # [H, lq]
         probs = torch.exp(scores - seg_lse[..., None])
@@ -175,6 +177,8 @@ def _math_backward(grad_out, q, k, v, out, lse, segments, causal: bool, scale: f
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)  # [H, n]
     for sq, sk in segments:
+        if sq.start == sq.stop or sk.start == sk.stop:
+            continue
         scores = _segment_probs_logits(q[sq], k[sk], causal, scale, top_left, window)
         probs = torch.exp(scores - lse[:, sq, None])  # [H, lq, lk] under the merged normaliser
         kk = k[sk].to(acc).repeat_interleave(rep, dim=1)

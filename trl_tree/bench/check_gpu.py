@@ -123,13 +123,18 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
 def _check_kernel_pairs(device: torch.device) -> tuple[bool, list[dict]]:
     """Each registered partial-kernel pair (``attention/partial.py``; FA4's, ``attention/fa4.py``)
     against the per-segment math pair on the same bf16 inputs: varlen segments with fewer queries
-    than keys (causal, bottom-right) and a dense non-causal rectangle, GQA, head_dim 128 and 64;
+    than keys (causal, bottom-right), the same followed by empty segments, and a dense non-causal
+    rectangle, GQA, head_dim 128 and 64;
     the backward handed the forward's output and log-sum-exp. A pair passes when its errors are at
     most ``RULE`` x those of PyTorch's FA2 pair (the kernels every other path is checked with)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     cu_q = torch.tensor([0, 100, 164, 420], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 300, 364, 876], dtype=torch.int32, device=device)
-    cases = {"varlen_causal": (cu_q, cu_k, 256, 512, True), "dense_rectangle": (None, None, 300, 700, False)}
+    # empty segments at the end: a unit padded to buckets (dfs/buckets.py) rounds its segment count up with them
+    empty = torch.tensor([420, 420], dtype=torch.int32, device=device)
+    cu_q_empty, cu_k_empty = torch.cat([cu_q, empty]), torch.cat([cu_k, empty + 456])
+    cases = {"varlen_causal": (cu_q, cu_k, 256, 512, True), "dense_rectangle": (None, None, 300, 700, False),
+             "varlen_empty_segments": (cu_q_empty, cu_k_empty, 256, 512, True)}
     rows, ok_all = [], True
     for head_dim in (128, 64):
         for case, (cq, ck, mq, mk, causal) in cases.items():

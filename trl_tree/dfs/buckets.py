@@ -22,7 +22,10 @@ What is padded, and why every real number stays what it was:
   ``d`` are undefined too and are masked before they reach the ancestors' gradient slots. The
   unit's own K/V go to slots ``d + arange(n_b)`` (device data) instead of a slice. The prefix then
   runs on the varlen kernel (cuDNN's dense rectangle would read every slot).
-- *Scored rows*: up to ``bucket(rows)``; pad rows read the first pad token (or row 0) and are cut
+- *Segments*: a unit of several nodes gets empty segments (no rows, no keys) up to a power of two:
+  the kernels skip them, and groups of a few more or fewer leaves share a bucket.
+- *Scored rows*: up to the tokens' bucket when the unit scores at least half its tokens (a group of
+  leaves), else up to ``bucket(rows)``; pad rows read the first pad token (or row 0) and are cut
   off before the loss.
 - The kernels' maximum segment lengths go up to a power of two (they only size the grids).
 
@@ -62,6 +65,11 @@ def padded_unit_layout(layout: dict, unit: Unit, rows_src: np.ndarray, rows_targ
     cu_k = layout["cu_seqlens_k"].copy()
     cu_q[-1] += pad
     cu_k[-1] += pad
+    segments = cu_q.shape[0] - 1
+    if segments > 1:  # empty segments up to a power of two (a one-node unit stays one causal block)
+        empty = _power_of_two(segments) - segments
+        cu_q = np.concatenate([cu_q, np.full(empty, cu_q[-1])])
+        cu_k = np.concatenate([cu_k, np.full(empty, cu_k[-1])])
     pad_rows = np.arange(n, n_b, dtype=np.int64)
     if own_only:
         gather, scatter = np.arange(n_b, dtype=np.int64), None
@@ -71,7 +79,9 @@ def padded_unit_layout(layout: dict, unit: Unit, rows_src: np.ndarray, rows_targ
         gather = np.concatenate([kv, np.zeros(extra, np.int64)])  # past the last segment: never read
         scatter = np.concatenate([kv, np.full(extra, n_b, np.int64)])  # their undefined gradients: row n_b, dropped
     rows = rows_src.shape[0]
-    rows_b = bucket(rows) if rows else 0
+    # a group of leaves scores nearly every token: its rows pad to its tokens' bucket, one number fewer
+    # to tell units apart; a unit scoring few rows (a prompt) pads them to their own bucket
+    rows_b = (n_b if n_b >= rows >= n // 2 else bucket(rows)) if rows else 0
     first_pad = n if pad else 0
     d = unit.depth
     return {

@@ -92,10 +92,15 @@ class WalkGraphs:
     eager: int = 0  # units run eagerly (no graph yet, or one that cannot be kept)
 
     def stack_for(self, num_layers: int, slots: int, grad_slots: int) -> KVStack:
-        """The kept stack, or a larger new one (every unit graph dropped: they hold the old buffers)."""
+        """The kept stack, or a larger new one (every unit graph dropped: they hold the old buffers).
+        A new stack is at least as large as the old one both ways: walks that alternate between more
+        slots and more gradient slots (a forward-only walk's larger groups, then a training walk's
+        deeper pushes) would otherwise replace it, and drop every graph, on every walk."""
         s = self.stack
         if s is None or len(s.k) != num_layers or s.slots < slots or s.grad_slots < grad_slots:
             q = STACK_SLOT_QUANTUM
+            if s is not None and len(s.k) == num_layers:
+                slots, grad_slots = max(slots, s.slots), max(grad_slots, s.grad_slots)
             self.stack = KVStack(num_layers, -(-slots // q) * q, -(-grad_slots // q) * q)
             self.units.clear()
             self.dirty = False
