@@ -431,3 +431,23 @@ def test_views_handoff_with_lora_adapters(stand_in, monkeypatch):
         assert_grads_close(grads_of(model), ref)
     assert graphs._RUNNERS[model.get_base_model()].captures == 1
     assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())  # swapped back
+
+
+def test_the_graph_state_does_not_keep_a_deleted_model_alive(stand_in):
+    """The runner and the walk's unit graphs live in weak-keyed tables whose key is the model: they
+    must not reference it back, or a deleted model would keep its weights, graphs and memory (a
+    benchmark or a sweep making one model after another would run out of memory)."""
+    import gc
+    import weakref
+
+    from trl_tree.dfs import graphs as dfs_graphs
+
+    model = _model()
+    seqs = grpo_group(6, 4, 2, VOCAB, seed=0)
+    tree_backward(model, seqs, weighted_loss, cuda_graphs=True)  # first sighting: runs eagerly, makes the runner
+    tree_backward(model, seqs, weighted_loss, mode="dfs", cuda_graphs=True)  # the walk's graph state and stack
+    assert model in graphs._RUNNERS and model in dfs_graphs._WALK_GRAPHS
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None  # and with it its entries in both tables

@@ -231,8 +231,9 @@ class GraphRunner:
     """The captured graph pairs of one model, their shared pool and gradient buffers."""
 
     params: tuple[torch.nn.Parameter, ...]
-    modules: tuple[torch.nn.Module, ...] = ()  # the outer model's modules (itself first), looked at per call
+    modules: tuple[torch.nn.Module, ...] = ()  # the outer model's modules (itself first), looked at per call; weak proxies
     adapters: tuple[torch.nn.Module, ...] = ()  # those with PEFT's adapter switches
+    outer: object = None  # a weak reference to the outer model they were listed from
     wrapper: str | None = None  # the class name of a distributed wrapper among them (refused)
     grad_buffers: tuple[torch.Tensor, ...] = ()
     pairs: OrderedDict = field(default_factory=OrderedDict)
@@ -416,11 +417,15 @@ def _runner(parts: ModelParts) -> GraphRunner:
     if runner is None or len(runner.params) != len(params) or any(a is not b for a, b in zip(runner.params, params)):
         runner = GraphRunner(params)
         _RUNNERS[parts.causal_lm] = runner
-    if not runner.modules or runner.modules[0] is not parts.outer:  # the same model, called through another wrapper
-        runner.modules = (parts.outer, *parts.outer.modules())
-        runner.adapters = tuple(m for m in runner.modules if hasattr(m, "_disable_adapters"))
-        runner.wrapper = next((type(m).__name__ for m in runner.modules if type(m).__name__ in _WRAPPERS_REFUSED),
-                              None)
+    if runner.outer is None or runner.outer() is not parts.outer:  # the same model, called through another wrapper
+        modules = (parts.outer, *parts.outer.modules())
+        runner.wrapper = next((type(m).__name__ for m in modules if type(m).__name__ in _WRAPPERS_REFUSED), None)
+        # weak: the runner is the value of a weak-keyed entry whose key is the model; a strong reference
+        # from it back to the model would keep the entry, the model, its graphs and their memory forever
+        proxies: dict[int, object] = {}
+        runner.modules = tuple(proxies.setdefault(id(m), weakref.proxy(m)) for m in modules)
+        runner.adapters = tuple(p for p, m in zip(runner.modules, modules) if hasattr(m, "_disable_adapters"))
+        runner.outer = weakref.ref(parts.outer)
     return runner
 
 
