@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # accelerate launch: one GPU per process
     torch.cuda.set_device(device)
-    for mode in args.modes.split(","):
+    for run in args.modes.split(","):
+        # a mode named twice runs twice (its later results under "MODE#2", ...)
+        mode = run if run not in results else f"{run}#{sum(1 for k in results if k.partition('#')[0] == run) + 1}"
         torch.manual_seed(0)
         with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             from peft import LoraConfig
 
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
-        flags, _, backend = mode.partition("@")
+        flags, _, backend = run.partition("@")
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         cfg = config_cls(
             output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,

@@ -5,7 +5,8 @@ more host time (Python, dispatcher, autograd: thousands of kernel launches) than
 GPU idles between units (docs/benchmarks/notes.md §8-9). Units of one shape repeat — the equal
 groups a GRPO group's completions are cut into, the same forest in the next micro-batch or the
 next ``num_iterations`` pass, an agent's turns of fixed shape — and replaying their kernels from a
-CUDA graph takes the host out.
+CUDA graph takes the host out. Units of free-length rollouts do not repeat; with
+``cuda_graphs="buckets"`` they replay the graphs of the unit padded to buckets (``dfs/buckets.py``).
 
 What is captured, per *unit signature* (every Python-level number the unit's forward reads: its
 tokens, depth, scored rows, segment counts and maximum lengths, plus the call's state as for the
