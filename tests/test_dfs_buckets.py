@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from test_dfs import deep_tree
+from test_dfs_graphs import VOCAB, _model
 
 from trl_tree import graphs, tree_backward, tree_logprobs
 from trl_tree.attention import partial
@@ -22,9 +23,6 @@ from trl_tree.dfs import graphs as dfs_graphs
 from trl_tree.dfs.plan import Unit, unit_layout
 from trl_tree.forest import PrefixForest
 from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import tiny_model
-
-VOCAB = 96
 
 
 def free_groups(seed: int, prompts: int = 2, group: int = 4) -> list[list[int]]:
@@ -64,15 +62,6 @@ def backend(request, monkeypatch):
     monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     return "auto"
-
-
-def _model(checkpoint: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = tiny_model("qwen2", vocab_size=VOCAB)
-    if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
 
 
 def _walk(model, seqs, backend, **kw) -> tuple[float, dict]:
