@@ -34,6 +34,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..dfs.graphs import unit_graph_stats
 from .common import add_grpo_shape_args, add_kernels_arg, dump, environment
 
 
@@ -156,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
                          "fwd_bwd_ms_later_half": round(statistics.median(times[len(times) // 2 :]) * 1e3, 1),
                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                          "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
-        from ..dfs.graphs import unit_graph_stats
-
         stats = unit_graph_stats(trainer.accelerator.unwrap_model(trainer.model))
         if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
             results[mode]["unit_graphs"] = stats

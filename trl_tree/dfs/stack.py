@@ -133,19 +133,23 @@ class UnitAttentionMetadata:
 
     @classmethod
     def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
-                  device: torch.device) -> list[UnitAttentionMetadata]:
-        """Every unit's metadata from two uploads (int64 and int32) made before any compute."""
-        layouts = [unit_layout(forest, u) for u in units]
+                  device: torch.device, layouts: list[dict] | None = None) -> list[UnitAttentionMetadata]:
+        """Every unit's metadata from two uploads (int64 and int32) made before any compute;
+        ``layouts``: the units' ``plan.unit_layout`` where the caller has them already."""
+        if layouts is None:
+            layouts = [unit_layout(forest, u) for u in units]
         return cls._from_layouts(layouts, units, forest.max_depth, stack, backend, device)
 
     @classmethod
     def build_padded(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
-                     device: torch.device, rows_src: list[np.ndarray], rows_targets: list[np.ndarray]
+                     device: torch.device, layouts: list[dict], rows_src: list[np.ndarray],
+                     rows_targets: list[np.ndarray]
                      ) -> tuple[list[UnitAttentionMetadata], list[torch.Tensor], list[torch.Tensor]]:
-        """Every unit padded to buckets (``dfs/buckets.py``): ``(metas, src, targets)``, ``rows_src``
-        and ``rows_targets`` being each unit's scored rows (unit-relative sources, target tokens)."""
-        layouts = [padded_unit_layout(unit_layout(forest, u), u, s, t)
-                   for u, s, t in zip(units, rows_src, rows_targets)]
+        """Every unit padded to buckets (``dfs/buckets.py``): ``(metas, src, targets)`` from the units'
+        exact ``layouts`` (``plan.unit_layout``) and their scored rows, ``rows_src`` and
+        ``rows_targets`` (unit-relative sources, target tokens)."""
+        layouts = [padded_unit_layout(layout, u, s, t)
+                   for layout, u, s, t in zip(layouts, units, rows_src, rows_targets)]
         metas = cls._from_layouts(layouts, units, _power_of_two(forest.max_depth), stack, backend, device)
         rows = upload([a for layout in layouts for a in (layout["src"], layout["targets"])], torch.int64, device)
         return metas, rows[0::2], rows[1::2]
@@ -284,6 +288,15 @@ def _own_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
     return buf[d : d + n] if meta.own_slots is None else buf.index_select(0, meta.own_slots)
 
 
+def _zero_own_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> None:
+    """Empty the unit's own rows of a stack buffer (a pushed node's gradient slots, once consumed)."""
+    d, n = meta.depth, meta.num_tokens
+    if meta.own_slots is None:
+        buf[d : d + n] = 0
+    else:
+        buf.index_fill_(0, meta.own_slots, 0)
+
+
 def _reference_keys(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
     """The prefix slots then the unit's own rows: the keys (or values) of the reference backends."""
     d, n = meta.depth, meta.num_tokens
@@ -406,10 +419,6 @@ class _UnitAttention(torch.autograd.Function):
         if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these fp32 slots; free them
             dk_own = _own_slots(meta, gk) + dk_own  # fp32: the model-dtype gradient is promoted inside the add
             dv_own = _own_slots(meta, gv) + dv_own
-            if meta.own_slots is None:
-                gk[d : d + n] = 0
-                gv[d : d + n] = 0
-            else:
-                gk.index_fill_(0, meta.own_slots, 0)
-                gv.index_fill_(0, meta.own_slots, 0)
+            _zero_own_slots(meta, gk)
+            _zero_own_slots(meta, gv)
         return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), (d_sinks[0] if d_sinks else None), None, None, None, None

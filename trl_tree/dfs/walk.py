@@ -37,7 +37,7 @@ from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
 from .buckets import padded_stack_size
 from .graphs import UnitReplay, WalkGraphs
-from .plan import WalkPlan, plan_walk
+from .plan import WalkPlan, plan_walk, unit_layout
 from .stack import KVStack, UnitAttentionMetadata
 
 DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
@@ -99,11 +99,16 @@ class DepthFirstWalk:
             self.stack = graphs.stack_for(parts.num_layers, slots, grad_slots)
         else:
             self.stack = KVStack(parts.num_layers, slots, grad_slots)
-        self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device)
-        self._upload_scoring()
+        layouts = [unit_layout(self.plan.forest, u) for u in units]
+        self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device, layouts)
+        rows_src, rows_targets = self._upload_scoring()
         #: per unit, ``(meta, src, targets)`` padded to buckets: what a replay uses where the unit's own
         #: shape has no graph (free-length rollouts)
-        self.padded: list[tuple] | None = self._padded_units() if buckets else None
+        self.padded: list[tuple] | None = None
+        if buckets:
+            metas, src, targets = UnitAttentionMetadata.build_padded(
+                self.plan.forest, units, self.stack, backend, self.device, layouts, rows_src, rows_targets)
+            self.padded = list(zip(metas, src, targets))
         install(parts.causal_lm.config._attn_implementation)
 
     def _unit(self, u: int) -> tuple:
@@ -112,24 +117,18 @@ class DepthFirstWalk:
     def _padded_unit(self, u: int) -> tuple | None:
         return self.padded[u] if self.padded is not None else None
 
-    def _padded_units(self) -> list[tuple]:
-        plan, scoring = self.plan, self.scoring
-        src = [scoring.pred_src[rows] - unit.start for rows, unit in zip(plan.rows_of_unit, plan.units)]
-        targets = [plan.forest.tokens[scoring.pred_dst[rows]] for rows in plan.rows_of_unit]
-        metas, src, targets = UnitAttentionMetadata.build_padded(plan.forest, plan.units, self.stack, self.backend,
-                                                                 self.device, src, targets)
-        return list(zip(metas, src, targets))
-
-    def _upload_scoring(self) -> None:
+    def _upload_scoring(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per unit: its scoring rows (global ids), their sources (unit-relative) and targets, and
-        its loss terms (row inside the unit, sequence, position)."""
+        its loss terms (row inside the unit, sequence, position). Returns the host arrays of the
+        rows' sources and targets, per unit (what the units padded to buckets start from)."""
         plan, scoring = self.plan, self.scoring
         row_pos = np.empty(scoring.num_predictions, dtype=np.int64)  # a row's index inside its unit
-        arrays = []
+        arrays, rows_src, rows_targets = [], [], []
         for u, rows in enumerate(plan.rows_of_unit):
             row_pos[rows] = np.arange(rows.shape[0])
-            arrays += [rows, scoring.pred_src[rows] - plan.units[u].start,
-                       plan.forest.tokens[scoring.pred_dst[rows]]]
+            rows_src.append(scoring.pred_src[rows] - plan.units[u].start)
+            rows_targets.append(plan.forest.tokens[scoring.pred_dst[rows]])
+            arrays += [rows, rows_src[-1], rows_targets[-1]]
         for terms in plan.terms_of_unit:
             arrays += [row_pos[scoring.gather[terms]], scoring.seq_idx[terms], scoring.pos[terms]]
         arrays.append(plan.forest.tokens[scoring.pred_dst])  # every row's target in row order (deferred head)
@@ -146,6 +145,7 @@ class DepthFirstWalk:
         self.term_row = tensors[3 * n :: 3]
         self.term_seq = tensors[3 * n + 1 :: 3]
         self.term_pos = tensors[3 * n + 2 :: 3]
+        return rows_src, rows_targets
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, u: int) -> torch.Tensor:
