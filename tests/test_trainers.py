@@ -276,9 +276,17 @@ def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, bucket
     from trl_tree import graphs
 
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
+    if buckets:  # only the padded graphs are captured: the update runs through them, as with free lengths
+        monkeypatch.setattr(graphs, "EXACT_LAYOUTS", False)
     trainer = compare("grpo", checkpoint, mode,
                       tree_fields={"tree_cuda_graphs": True, "tree_cuda_graph_buckets": buckets})
-    assert graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)].captures > 0
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert graphs._RUNNERS[model].captures > 0
+    if mode == "dfs" and buckets:
+        from trl_tree.dfs.graphs import unit_graph_stats
+
+        stats = unit_graph_stats(model)
+        assert stats["padded"] > 0 and stats["replayed"] > 0
     with pytest.raises(ValueError, match="tree_keep_graph=True .* replayed units"):
         TreeGRPOConfig(output_dir="x", use_cpu=True, tree_cuda_graphs=True, tree_mode="dfs", tree_keep_graph=True)
     with pytest.raises(ValueError, match="tree_cuda_graphs must be True or False"):
