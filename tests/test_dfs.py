@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from test_exactness import WORKLOADS
 
 from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.cost_model import ActivationModel, GroupBudget
 from trl_tree.dfs.plan import plan_walk
 from trl_tree.reference import untreed_backward, untreed_logprobs
 from trl_tree.tiny import random_tree, tiny_model
@@ -198,6 +199,88 @@ def test_split_attention_under_checkpointing(split_attention_on_cpu):
     check_dfs(model, deep_tree(levels=6, seed=1), chunk_size=4, keep_graph=None)  # auto: kept
 
 
+def _spy_plans(monkeypatch) -> list:
+    """Every walk plan the engine makes from now on."""
+    from trl_tree.dfs import walk
+
+    plans = []
+    original = walk.plan_walk
+
+    def spying(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(walk, "plan_walk", spying)
+    return plans
+
+
+# chunks of 31 tokens: each 12-token prompt is pushed, its six 6-token completions go 3 + 3, and the
+# pop takes the prompt and the first three (30 tokens)
+@pytest.mark.parametrize("seqs,chunk_size", [(WORKLOADS["grpo_group"], 31), (deep_tree(), 7)],
+                         ids=["grpo", "deep-tree"])
+def test_merged_pops_match_the_untreed_model(qwen2, split_attention_on_cpu, monkeypatch, seqs, chunk_size):
+    """A pop that recomputes its node together with the node's first group of children: the group's
+    queries see the node as an in-unit ancestor, and the node's K/V gradient is what the unit's own
+    keys got plus what the other groups left in its stack slots."""
+    plans = _spy_plans(monkeypatch)
+    check_dfs(qwen2, seqs, chunk_size=chunk_size)
+    merged = [p for p in plans if p.merged]
+    assert merged, "no pop was merged"
+    pops = [p.units[s.unit] for p in merged for s in p.steps if s.op == "pop"]
+    assert any(u.num_tokens > u.pushed_tokens for u in pops)
+
+
+def test_walk_units_keep_their_attention_for_the_recompute(monkeypatch):
+    """Under gradient checkpointing a unit keeps its attention outputs from the forward, so the
+    recompute in its backward runs no attention kernel: exact, fewer kernel calls, nothing left kept."""
+    from trl_tree.attention import kept as kept_module
+    from trl_tree.attention import partial
+    from trl_tree.dfs import walk
+
+    forwards = [0]
+    taken = [0]
+
+    def counting(*args, **kwargs):
+        forwards[0] += 1
+        return partial.math_partial_forward(*args, **kwargs)
+
+    original_take = kept_module.KeptAttention.take
+
+    def take(self, module):
+        entry = original_take(self, module)
+        taken[0] += entry is not None
+        return entry
+
+    monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (counting, partial.math_partial_backward))
+    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(kept_module.KeptAttention, "take", take)
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seqs = deep_tree(levels=5, seed=2)
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, seqs, weighted_loss)
+    ref = grads_of(model)
+    # 0.7 of one sequence's footprint: pushed nodes, groups and merged pops, the larger groups too
+    # large to keep their attention (``GroupBudget.keeps_attention``)
+    forest = PrefixForest.from_sequences(seqs)
+    budget = int(0.7 * ActivationModel.of(model.config, True, 4).single_sequence(forest.max_depth))
+    plans = _spy_plans(monkeypatch)
+    counts = {}
+    for keep in (False, True):
+        forwards[0] = taken[0] = 0
+        model.zero_grad(set_to_none=True)
+        tree_backward(model, seqs, weighted_loss, mode="dfs", keep_graph=False, keep_attention=keep,
+                      memory_budget=budget)
+        assert_grads_close(grads_of(model), ref)
+        counts[keep] = (forwards[0], taken[0])
+    assert counts[False][1] == 0 and counts[True][1] > 0
+    assert counts[True][0] < counts[False][0]
+    keeps = [GroupBudget.for_forest(forest, model.config, True, False, 4, budget).keeps_attention(u.num_tokens, u.depth)
+             for u in plans[-1].units if u.scored]
+    assert plans[-1].merged and any(keeps) and not all(keeps)
+
+
 def test_keep_graph_must_be_a_bool_or_none(qwen2):
     with pytest.raises(TypeError, match="keep_graph"):
         tree_backward(qwen2, WORKLOADS["grpo_group"], weighted_loss, mode="dfs", keep_graph="yes")
@@ -220,19 +303,25 @@ def _count_walk_forwards(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_keep_graph_default_follows_gradient_checkpointing(monkeypatch, checkpointing):
     """keep_graph=None keeps pushed nodes' graphs (no second forward of them) exactly when the model
-    checkpoints its layers."""
+    checkpoints its layers; otherwise every pop is a forward, and those that take their node's first
+    group along (merged pops) save that group's call."""
     model = tiny_model("llama")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     seqs = deep_tree(levels=6, seed=1)
     forest = PrefixForest.from_sequences(seqs)
-    plan = plan_walk(forest, forest.scoring_plan(), chunk_size=4)
+    unmerged = plan_walk(forest, forest.scoring_plan(), chunk_size=4)
+    plan = plan_walk(forest, forest.scoring_plan(), chunk_size=4, merge_pops=not checkpointing)
     pushes = sum(1 for s in plan.steps if s.op == "push")
     assert pushes > 0
     calls = _count_walk_forwards(monkeypatch)
     tree_backward(model, seqs, weighted_loss, mode="dfs", chunk_size=4)
-    assert calls[0] == plan.num_calls + (0 if checkpointing else pushes)
+    if checkpointing:
+        assert calls[0] == plan.num_calls == unmerged.num_calls
+    else:
+        assert plan.merged
+        assert calls[0] == len(plan.steps) < unmerged.num_calls + pushes
 
 
 def test_lm_head_weight_gradient_taken_once_per_walk(qwen2, monkeypatch):

@@ -152,9 +152,11 @@ class GroupBudget:
     """
 
     def __init__(self, model: ActivationModel, reference: int, keep_graph: bool, floor: int,
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, kept_model: ActivationModel | None = None) -> None:
         self.model, self.reference, self.keep_graph, self.floor = model, reference, keep_graph, floor
         self.forward_only = forward_only
+        #: the same model with every layer's attention output kept for the recompute (``attention/kept.py``)
+        self.kept_model = kept_model
 
     @classmethod
     def for_forest(cls, forest: PrefixForest, config, gradient_checkpointing: bool, keep_graph: bool,
@@ -167,12 +169,21 @@ class GroupBudget:
         longest = int(forest.seq_lengths.argmax())
         scored = int((scoring.seq_idx == longest).sum()) if scoring is not None else None
         reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth, scored)
-        return cls(model, reference, keep_graph, int(forest.node_length.max()), forward_only)
+        kept = ActivationModel.of(config, True, dtype_bytes, keep_attention=True) if gradient_checkpointing else None
+        return cls(model, reference, keep_graph, int(forest.node_length.max()), forward_only, kept)
 
     def unit_bytes(self, tokens: int, depth: int) -> int:
         if self.forward_only:
             return self.model.forward_unit(tokens, depth)
         return self.model.unit(tokens, depth, self.keep_graph)
+
+    def keeps_attention(self, tokens: int, depth: int) -> bool:
+        """Whether a unit of ``tokens`` below ``depth`` still fits when it also keeps its attention
+        outputs for the checkpointed recompute (the recompute then skips the attention kernels):
+        units are sized without them, so the largest groups run without, the smaller ones with."""
+        if self.kept_model is None or self.forward_only:
+            return False
+        return self.kept_model.unit(tokens, depth, self.keep_graph) <= self.reference
 
     def __call__(self, depth: int) -> int:
         lo, hi = 0, 1

@@ -217,19 +217,26 @@ ROOT_SPLIT: bool | None = None
 #: where that memory is needed more than the step time it saves (docs/benchmarks/README.md).
 KEEP_ATTENTION = True
 
+#: A training walk that recomputes its pushed nodes recomputes each one together with its first group
+#: of children where both fit (``dfs/plan.py``, merged pops); the benchmarks set it False to time the
+#: walk with every pop a call of its own.
+MERGE_POPS = True
+
 
 @contextmanager
-def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None, keep_attention: bool = True):
-    """Run packed steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``,
-    ``KEEP_ATTENTION``) and restore the previous ones afterwards — how the benchmarks and the GPU
-    check time or check a layout the defaults would not pick."""
-    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION
-    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION
-    DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = dense_unshared_batches, root_split, keep_attention
+def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None, keep_attention: bool = True,
+                   merge_pops: bool = True):
+    """Run steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``,
+    ``KEEP_ATTENTION``, ``MERGE_POPS``) and restore the previous ones afterwards — how the benchmarks
+    and the GPU check time or check a layout the defaults would not pick."""
+    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS
+    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS
+    DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS = (dense_unshared_batches, root_split,
+                                                                      keep_attention, merge_pops)
     try:
         yield
     finally:
-        DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION = saved
+        DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS = saved
 
 
 def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None,
@@ -419,10 +426,13 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
 
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
               chunk_size: int | None, keep_graph: bool, memory_budget: int | None, forward_only: bool = False,
-              cuda_graphs: bool | str = False):
+              cuda_graphs: bool | str = False, keep_attention: bool | None = None):
     """The walk; without ``chunk_size`` its groups are sized by the memory model (``GroupBudget``):
     one forward+backward of the longest sequence, or ``memory_budget`` when given. ``cuda_graphs``:
-    its units replay CUDA graphs where captured (``dfs/graphs.py``)."""
+    its units replay CUDA graphs where captured (``dfs/graphs.py``). A training walk that recomputes
+    its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``), and its units keep
+    their attention outputs for the checkpointed recompute where the memory model lets them
+    (``keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
     from .cost_model import GroupBudget
     from .dfs.buckets import PADDED_BUDGET_SCALE
     from .dfs.graphs import walk_graphs
@@ -438,14 +448,19 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
             forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
             dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
             forward_only=forward_only)
+    budget = group_tokens
+    keeps = None
+    if (budget is not None and not forward_only and _wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS
+            and _checkpointing(parts) and parts.causal_lm.training):
+        keeps = budget.keeps_attention
     buckets = graphs is not None and cuda_graphs == "buckets"
-    if buckets and group_tokens is not None:  # a padded group stays within the memory its budget was sized for
-        budget = group_tokens
+    if buckets and budget is not None:  # a padded group stays within the memory its budget was sized for
 
         def group_tokens(depth: int) -> int:
             return max(int(budget(depth) * PADDED_BUDGET_SCALE), budget.floor)
 
-    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs, buckets)
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs, buckets,
+                          merge_pops=MERGE_POPS and not forward_only and not keep_graph, keeps_attention=keeps)
 
 
 def _checkpointing(parts: ModelParts) -> bool:
@@ -671,7 +686,7 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
         if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
             keep_graph = _checkpointing(parts) and not cuda_graphs
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, keep_attention=keep_attention)
         total = walk.backward(token_loss, keep_graph, with_entropy)
         if not math.isfinite(total):
             raise FloatingPointError(f"token_loss gave a non-finite loss ({total}) in mode='dfs'; the gradients "

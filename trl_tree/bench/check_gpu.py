@@ -67,7 +67,11 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
         logps = untreed_logprobs(model, seqs)
         untreed_backward(model, seqs, _token_loss)
         return [lp.detach() for lp in logps], _grads(model)
-    kw = {"chunk_size": 64} if mode == "dfs" else {}  # dfs: cut nodes and group subtrees at 64 tokens
+    kw, train_kw = {}, {}
+    if mode == "dfs":  # cut nodes and group subtrees at 64 tokens
+        kw = {"chunk_size": 64}
+    elif mode == "dfs-budget":  # groups sized by the memory model: merged pops, units keeping their attention
+        mode, kw, train_kw = "dfs", {"memory_budget": _walk_budget(model, seqs)}, {"keep_graph": False}
     with engine.layout_choices(root_split=root_split):
         if graphs:  # eager at the first call, captured at the second, checked on a replay
             from .. import graphs as graph_module
@@ -78,7 +82,8 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
                 kind = "buckets" if graphs == "buckets" else True
                 for _ in range(3):
                     model.zero_grad(set_to_none=True)
-                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw)
+                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw,
+                                  **train_kw)
                 grads = _grads(model)
                 # packed: the same graphs, replayed; dfs: the forward-only walk's own unit graphs (eager,
                 # captured, replayed)
@@ -89,8 +94,18 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
             return [lp.detach() for lp in logps], grads
         with torch.no_grad():
             logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
-        tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw)
+        tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw, **train_kw)
     return [lp.detach() for lp in logps], _grads(model)
+
+
+def _walk_budget(model, seqs) -> int:
+    """Twice one checkpointed forward+backward of the longest sequence: on the check's workloads the
+    walk then pushes its prompts, merges pops with a group, and some units keep their attention
+    outputs for the recompute while larger ones do not (``GroupBudget.keeps_attention``)."""
+    from ..cost_model import ActivationModel
+
+    longest = max(len(s) for s in seqs)
+    return 2 * ActivationModel.of(model.config, True, model.dtype.itemsize).single_sequence(longest)
 
 
 def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
@@ -99,7 +114,8 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
     and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds),
     replaying the graphs of the layout padded to buckets (``attention/buckets.py``), and the walk
-    replaying its units' graphs (``dfs/graphs.py``), exact and padded to buckets (``dfs/buckets.py``)."""
+    replaying its units' graphs (``dfs/graphs.py``), exact and padded to buckets (``dfs/buckets.py``),
+    and the walk sized by the memory model (merged pops, kept attention outputs)."""
     paths = []
     for b in BACKENDS:
         if b in PARTIAL_KERNELS:
@@ -117,7 +133,11 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     # buckets (trl_tree/dfs/buckets.py), as free-length rollouts replay them
     paths += [(b, "dfs", None, ckpt, True, f"dfs/{b}{'+ckpt' if ckpt else ''}+graphs")
               for b in DFS_BACKENDS for ckpt in (False, True)]
-    return paths + [(b, "dfs", None, True, "buckets", f"dfs/{b}+ckpt+graphs+buckets") for b in DFS_BACKENDS]
+    paths += [(b, "dfs", None, True, "buckets", f"dfs/{b}+ckpt+graphs+buckets") for b in DFS_BACKENDS]
+    # the walk sized by the memory model under checkpointing: merged pops, units keeping their attention
+    # outputs for the recompute (dfs/plan.py, GroupBudget.keeps_attention), eager, replayed and padded
+    return paths + [(b, "dfs-budget", None, True, graphs, f"dfs/{b}+ckpt+budget{tag}") for b in DFS_BACKENDS
+                    for graphs, tag in ((False, ""), (True, "+graphs"), ("buckets", "+graphs+buckets"))]
 
 
 def _check_kernel_pairs(device: torch.device) -> tuple[bool, list[dict]]:
@@ -195,7 +215,7 @@ def _check_model(config, paths, device: torch.device, kernels: str, attn_impleme
             for dtype, model in (("bf16", model16), ("fp32", model32)):
                 dt = torch.bfloat16 if dtype == "bf16" else torch.float32
                 ok, why = backend_available(backend, device, dt)
-                refusal = attention_refusal(model, backend, device, dt, mode) if ok else None
+                refusal = attention_refusal(model, backend, device, dt, mode.split("-")[0]) if ok else None
                 if refusal is not None:  # a variant this kernel does not compute: refused by name, by design
                     ok, why = False, refusal[:160]
                 if not ok:

@@ -45,8 +45,9 @@ def walk_shape(forest: PrefixForest, score_from: int, config, path: str, graphs:
     scoring = forest.scoring_plan(score_from)
     budget = GroupBudget.for_forest(forest, config, True, keep_graph,
                                     memory_budget=0 if path == "dfs nodes" else None, scoring=scoring)
-    plan = plan_walk(forest, scoring, chunk, None if chunk else budget)
-    largest = max(budget.unit_bytes(u.num_tokens, u.depth) for u in plan.units if not u.pushed)
+    plan = plan_walk(forest, scoring, chunk, None if chunk else budget, merge_pops=not keep_graph)
+    # groups, and pops that took a group along
+    largest = max(budget.unit_bytes(u.num_tokens, u.depth) for u in plan.units if u.num_tokens > u.pushed_tokens)
     return {"calls": plan.num_calls, "estimated_largest_group_gib": round(largest / 2**30, 3),
             "estimated_longest_single_gib": round(budget.reference / 2**30, 3) if path != "dfs nodes" else None}
 

@@ -45,6 +45,10 @@ from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
 
 
+#: what ``--profile`` profiles by default: the baselines and the packed tree
+PROFILED_PATHS = frozenset({"trl_padded", "per_sequence", "tree_packed"})
+
+
 def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepCost]:
     lengths = forest.seq_lengths.tolist()
     n_terms = sum(L - score_from for L in lengths)
@@ -55,10 +59,11 @@ def _costs(forest: PrefixForest, seqs, score_from: int) -> tuple[StepCost, StepC
 
 
 def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | None = None,
-                 only: set[str] | None = None, backends: tuple[str, ...] = ("torch_flash",), warmup: int = 3) -> dict:
-    """Time every path on workload ``w``; with ``profile_tables``, also profile one step of TRL's
-    padded path and of the packed tree (GPU time by kind of kernel in their rows, per-kernel
-    tables appended to the list); ``only``: these paths (and the baseline). ``backends``: the
+                 only: set[str] | None = None, backends: tuple[str, ...] = ("torch_flash",), warmup: int = 3,
+                 profile_paths: frozenset[str] = PROFILED_PATHS) -> dict:
+    """Time every path on workload ``w``; with ``profile_tables``, also profile one step of each of
+    ``profile_paths`` (GPU time by kind of kernel in their rows, per-kernel tables appended to the
+    list); ``only``: these paths (and the baseline). ``backends``: the
     tree's attention backend, then others whose main tree paths are timed too, as
     ``<path>@<backend>`` rows (e.g. ``tree_packed@flash``: FlashAttention-4)."""
     seqs, P = w.sequences, w.score_from
@@ -78,11 +83,11 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         return -lp * adv[seq_idx] / n_terms
 
     def tree(the_forest, mode="packed", varlen=False, root_split=None, keep_attention=True, backend=backends[0],
-             **kw):
+             merge_pops=True, **kw):
         def step():
             # padding-free = varlen packing, even when unshared
             with engine.layout_choices(dense_unshared_batches=not varlen, root_split=root_split,
-                                       keep_attention=keep_attention):
+                                       keep_attention=keep_attention, merge_pops=merge_pops):
                 tree_backward(model, the_forest, token_loss, mode=mode, attn_backend=backend, score_from=P, **kw)
         return step
 
@@ -115,6 +120,9 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         paths["tree_dfs"] = tree(forest, "dfs")
         # the walk's units replaying CUDA graphs (trl_tree/dfs/graphs.py; captured in the warm-up)
         paths["tree_dfs_graphs"] = tree(forest, "dfs", cuda_graphs=True)
+        if only is not None:  # asked for by name: what the walk's merged pops and kept attention gain
+            paths["tree_dfs_graphs_unmerged"] = tree(forest, "dfs", cuda_graphs=True, merge_pops=False)
+            paths["tree_dfs_graphs_recompute"] = tree(forest, "dfs", cuda_graphs=True, keep_attention=False)
         paths["longest_single"] = padded_step(model, [seqs[longest]], adv[longest : longest + 1], P, n_terms)
     for other in backends[1:]:  # the same tree paths through another attention backend
         for name, kw in (("tree_packed", {}), ("tree_packed_graphs", {"cuda_graphs": True}),
@@ -141,7 +149,7 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
             rows.append({"path": name, "error": "out of memory"})
         except Exception as e:  # one path failing (e.g. TRL's packer under compiled layers) must not lose the rest
             rows.append({"path": name, "error": f"{type(e).__name__}: {e}"[:500]})
-        if profile_tables is not None and name in (base_path, "tree_packed") and "ms" in rows[-1]:
+        if profile_tables is not None and name in profile_paths and "ms" in rows[-1]:
             prof = profile_step(fn)
             rows[-1]["gpu_ms_by_kind"] = gpu_ms_by_kind(prof)
             profile_tables.append(f"===== {w.name} {name}\n{kernel_table(prof)}")
@@ -160,7 +168,8 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
         by["tree_packed"]["root_split"] = split
     pf, tp = by.get("padding_free", {}).get("ms"), by.get("tree_packed", {}).get("ms")
     single = by.get("longest_single", {})
-    walks = [w_ + tag for tag in ("", *(f"@{b}" for b in backends[1:])) for w_ in ("tree_dfs", "tree_dfs_graphs")]
+    walks = [w_ + tag for tag in ("", *(f"@{b}" for b in backends[1:]))
+             for w_ in ("tree_dfs", "tree_dfs_graphs", "tree_dfs_graphs_unmerged", "tree_dfs_graphs_recompute")]
     for walk in walks:
         dfs = by.get(walk, {})
         _, at, other = walk.partition("@")
@@ -316,10 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None,
                         help="also profile TRL's and the packed tree's step: GPU time by kernel kind in the JSON, "
                         "per-kernel tables written here")
+    parser.add_argument("--profile-paths", default=",".join(sorted(PROFILED_PATHS)),
+                        help="the paths --profile profiles, e.g. tree_packed_graphs,tree_dfs_graphs (graph replays "
+                        "show their kernels too)")
     parser.add_argument("--no-dfs", action="store_true", help="leave out the depth-first walk's paths")
     parser.add_argument("--paths", default=None,
                         help="comma-separated paths to time (the baseline always runs), e.g. "
-                        "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single")
+                        "tree_packed,tree_packed_graphs,tree_dfs,tree_dfs_graphs,longest_single; only by name: "
+                        "tree_dfs_graphs_unmerged (every pop a call of its own), tree_dfs_graphs_recompute (the "
+                        "walk's recompute runs the attention again)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps before the timed ones (the largest trees take minutes a step: 1)")
     parser.add_argument("--w7-scale", type=float, default=1.0,
@@ -352,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix_str(f"{size} {w.name}")
                 results[size].append(run_workload(model, w, args.iters, dfs=not args.no_dfs,
                                                   profile_tables=tables, only=only, backends=backends,
-                                                  warmup=args.warmup))
+                                                  warmup=args.warmup,
+                                                  profile_paths=frozenset(args.profile_paths.split(","))))
                 if args.profile:
                     with open(args.profile, "w") as f:
                         f.write("\n\n".join(tables))

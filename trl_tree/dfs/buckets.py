@@ -52,10 +52,22 @@ def padded_depth(depth: int) -> int:
     return _power_of_two(depth) if depth else 0
 
 
+def padded_pushed_tokens(unit: Unit) -> int:
+    """The leading own rows whose gradient slots a padded unit reads: all ``bucket(tokens)`` of a
+    pushed node, as its pad rows' slots are never written; a merged pop's node rounded up to a bucket
+    (the group's slots past its node are empty when it pops), so that prompts of nearby lengths
+    share a graph."""
+    n_b = bucket(unit.num_tokens)
+    if unit.pushed_tokens >= unit.num_tokens:
+        return n_b
+    return min(bucket(unit.pushed_tokens), n_b) if unit.pushed_tokens else 0
+
+
 def padded_unit_layout(layout: dict, unit: Unit, rows_src: np.ndarray, rows_targets: np.ndarray) -> dict:
     """``layout`` (``plan.unit_layout``) and the unit's scored rows (unit-relative sources, targets)
     padded to buckets (see the module docstring). Adds ``depth`` (padded), ``own_slots``,
-    ``kv_scatter`` (None where each node sees only itself), ``own_only``, ``src`` and ``targets``."""
+    ``kv_scatter`` (None where each node sees only itself), ``own_only``, ``pushed_tokens``, ``src``
+    and ``targets``."""
     n = unit.num_tokens
     n_b = bucket(n)
     pad = n_b - n
@@ -98,6 +110,7 @@ def padded_unit_layout(layout: dict, unit: Unit, rows_src: np.ndarray, rows_targ
         "depth": padded_depth(d),
         "real_depth": d,
         "own_slots": d + np.arange(n_b, dtype=np.int64),
+        "pushed_tokens": padded_pushed_tokens(unit),
         "src": np.concatenate([rows_src, np.full(rows_b - rows, first_pad, np.int64)]),
         "targets": np.concatenate([rows_targets, np.zeros(rows_b - rows, np.int64)]),
     }
@@ -106,8 +119,7 @@ def padded_unit_layout(layout: dict, unit: Unit, rows_src: np.ndarray, rows_targ
 def padded_stack_size(units: list[Unit]) -> tuple[int, int]:
     """``(slots, grad_slots)`` the K/V stack needs for ``units`` padded: a unit reads slots
     ``[0, padded depth)`` and writes ``[depth, depth + bucket(tokens))``; gradients reach slots
-    ``[0, padded depth)`` from every unit and the own slots of pushed ones."""
+    ``[0, padded depth)`` from every unit and the slots of pushed tokens."""
     slots = max(max(padded_depth(u.depth), u.depth + bucket(u.num_tokens)) for u in units)
-    grad_slots = max([padded_depth(u.depth) for u in units]
-                     + [u.depth + bucket(u.num_tokens) for u in units if u.pushed])
+    grad_slots = max([padded_depth(u.depth) for u in units] + [u.depth + padded_pushed_tokens(u) for u in units])
     return slots, grad_slots

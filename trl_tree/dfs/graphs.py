@@ -48,6 +48,7 @@ import torch
 
 from .. import graphs as packed_graphs
 from ..attention.dispatch import install
+from ..attention.kept import KeptAttention
 from ..lm_head import score_rows
 from ..model_parts import ModelParts, activation_checkpointing
 from .stack import KVStack, UnitAttentionMetadata
@@ -266,6 +267,8 @@ class UnitReplay:
 
         def forward() -> tuple:
             meta.calls = 0
+            # kept for the recompute inside the captured backward (``attention/kept.py``)
+            meta.kept = KeptAttention(parts.num_layers) if meta.keep_attention and graph.train else None
             meta._mask = None  # the reference backends' mask, built from the static tensors inside the graph
             hidden = tree_forward(parts, meta.input_ids, meta)
             logp, ent, _ = score_rows(hidden, parts, graph.src, graph.targets, temperature, with_entropy,
@@ -292,6 +295,7 @@ class UnitReplay:
         def backward(into_buffers: bool = True) -> None:
             runner.backward_into_buffers(
                 [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad], into_buffers)
+            meta.kept = None
 
         device = parts.device
         runner.prepare_capture(device, grad_buffers=graph.train)

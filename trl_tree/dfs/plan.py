@@ -9,6 +9,13 @@ the same cached prefix (the current root path, depth ``depth``). Two kinds:
   group budget; forwarded, scored and back-propagated in one call (siblings sharing the cached
   prefix run together, AREAL-DTA's batching of leaves generalised to small subtrees).
 
+*Merged pops* (``merge_pops``, a training walk that recomputes its pushed nodes): a pushed node's
+recompute at its pop takes its first group of children along, when both fit the budget at the
+node's depth. The node is then forwarded alone at its push (its K/V for the other children), and
+the pop's one call recomputes it and runs the first group's forward and backward: a small prompt's
+recompute rides in a large call instead of being a call of its own (GRPO's 256-token prompt
+otherwise costs a whole latency-bound model call).
+
 The group budget is ``chunk_size`` when one is given: nodes longer than it were already cut into
 chains (``PrefixForest.split_nodes``), so no unit is larger than it and peak activation memory is
 bounded by the chunk plus the K/V of the current path. Without one it is ``group_tokens(depth)``
@@ -34,11 +41,19 @@ class Unit:
     depth: int  # cached prefix length (stack slots [0, depth) hold the root path)
     node_lo: int  # node ids [node_lo, node_hi) inside the unit (pre-order makes them contiguous)
     node_hi: int
-    pushed: bool  # True: a node whose children follow; False: a group of complete subtrees
+    #: leading tokens whose stack slots collect their descendants' K/V gradients: all of a pushed
+    #: node's, none of a group's; a merged pop's are its node's, followed by its first group
+    pushed_tokens: int
+    #: False for a push whose pop is a merged unit: forward only, its rows are scored by that unit
+    scored: bool = True
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def pushed(self) -> bool:
+        return self.pushed_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -58,15 +73,23 @@ class WalkPlan:
 
     @property
     def num_calls(self) -> int:
-        return sum(1 for s in self.steps if s.op != "pop")
+        """Model calls that are not only a recompute: pushes, groups and merged pops."""
+        return sum(1 for s in self.steps if s.op != "pop" or self.units[s.unit].num_tokens > self.units[s.unit].pushed_tokens)
+
+    @property
+    def merged(self) -> bool:
+        """Some pop is a merged unit (its push is another, forward-only unit)."""
+        return any(not u.scored for u in self.units)
 
 
 def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None,
-              group_tokens: Callable[[int], int] | None = None) -> WalkPlan:
+              group_tokens: Callable[[int], int] | None = None, merge_pops: bool = False) -> WalkPlan:
     """Cut ``forest`` into units and order them depth-first (children before a node's backward).
 
     ``group_tokens(depth)``: how many tokens a group below a prefix of ``depth`` tokens may hold
-    (used only without ``chunk_size``, which is a hard bound)."""
+    (used only without ``chunk_size``, which is a hard bound). ``merge_pops``: a pop recomputes its
+    node together with the node's first group of children where they fit (module docstring); only
+    for a walk that recomputes pushed nodes with grad at their pop."""
     if chunk_size is not None:
         forest = forest.split_nodes(chunk_size)
         group_tokens = None
@@ -94,8 +117,21 @@ def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None
     def add_group(group: list[int]) -> None:
         first, last = group[0], group[-1]
         units.append(Unit(int(node_start[first]), int(sub_end_tok[last]), int(forest.node_depth[first]),
-                          first, int(node_sub_hi[last]), False))
+                          first, int(node_sub_hi[last]), 0))
         steps.append(Step("group", len(units) - 1))
+
+    def merged_pop(c: int, kid_items: list[tuple[str, object]]) -> Unit | None:
+        """Node ``c`` and its first group of children as one unit, where it fits (then the group is
+        taken out of ``kid_items``)."""
+        if not merge_pops or not kid_items or kid_items[0][0] != "group":
+            return None
+        last = kid_items[0][1][-1]  # type: ignore[index]
+        length = int(forest.node_length[c])
+        end = int(sub_end_tok[last])
+        if end - int(node_start[c]) > budget_at(int(forest.node_depth[c])):
+            return None
+        del kid_items[0]
+        return Unit(int(node_start[c]), end, int(forest.node_depth[c]), c, int(node_sub_hi[last]), length)
 
     def items(kids: list[int]) -> list[tuple[str, object]]:
         """Siblings in order: runs of small subtrees become balanced groups, larger ones are walked."""
@@ -130,17 +166,23 @@ def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None
             add_group(x)  # type: ignore[arg-type]
             continue
         c = x  # type: ignore[assignment]
-        units.append(Unit(int(node_start[c]), int(node_start[c] + forest.node_length[c]),
-                          int(forest.node_depth[c]), c, c + 1, True))
+        kid_items = items(children[c])
+        pop = merged_pop(c, kid_items)
+        length = int(forest.node_length[c])
+        units.append(Unit(int(node_start[c]), int(node_start[c]) + length, int(forest.node_depth[c]), c, c + 1,
+                          length, scored=pop is None))
         steps.append(Step("push", len(units) - 1))
-        walk.append((iter(items(children[c])), len(units) - 1))
+        if pop is not None:
+            units.append(pop)
+        walk.append((iter(kid_items), len(units) - 1))
 
     stack_size = max(u.depth + u.num_tokens for u in units)
-    # scoring rows by the unit holding their source token; terms by their row's unit
-    unit_starts = np.asarray([u.start for u in units])
+    # scoring rows by the (scoring) unit holding their source token; terms by their row's unit
+    scoring_units = np.asarray([i for i, u in enumerate(units) if u.scored])
+    unit_starts = np.asarray([units[i].start for i in scoring_units])
     order = np.argsort(unit_starts, kind="stable")
     sorted_starts = unit_starts[order]
-    unit_of_row = order[np.searchsorted(sorted_starts, scoring.pred_src, side="right") - 1]
+    unit_of_row = scoring_units[order[np.searchsorted(sorted_starts, scoring.pred_src, side="right") - 1]]
     rows_of_unit = _bucket(unit_of_row, len(units))
     terms_of_unit = _bucket(unit_of_row[scoring.gather], len(units)) if scoring.num_terms else [
         np.zeros(0, dtype=np.int64) for _ in units]

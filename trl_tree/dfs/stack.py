@@ -29,6 +29,7 @@ import torch
 from .._device import upload
 from ..attention.backends import masked_attention, to_varlen
 from ..attention.buckets import _power_of_two
+from ..attention.kept import KeptAttention
 from ..attention.metadata import tree_visibility
 from ..attention.partial import PARTIAL_KERNELS, dense_kernels, dense_shape_seen, merge_partials
 from ..forest import PrefixForest
@@ -101,14 +102,15 @@ class UnitAttentionMetadata:
 
     #: not the unit's layout (``graphs._layout_signature``): its stack, call counter, lazily built
     #: kernels and masks, and whether a graph replays it
-    NOT_LAYOUT: ClassVar[tuple[str, ...]] = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed")
+    NOT_LAYOUT: ClassVar[tuple[str, ...]] = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed", "kept")
 
     backend: str
     stack: KVStack
     depth: int  # prefix slots [0, depth)
     num_tokens: int  # the unit's tokens = queries
     max_depth: int
-    pushed: bool  # its descendants leave K/V gradients in its slots
+    #: leading own rows whose slots hold their descendants' K/V gradients (``plan.Unit.pushed_tokens``)
+    pushed_tokens: int
     input_ids: torch.Tensor  # [1, n]
     position_ids: torch.Tensor  # [1, n]
     kv_local: torch.Tensor | None  # per node, its in-unit key rows (unit-relative); None: each node only itself
@@ -126,6 +128,10 @@ class UnitAttentionMetadata:
     prefix_valid: torch.Tensor | None = None  # [depth] bool: prefix slots below the real depth
     kv_scatter: torch.Tensor | None = None  # [len(kv_local)]: where the own keys' gradients go (row n: dropped)
     graphed: bool = False  # replayed from a CUDA graph (``dfs/graphs.py``): dense shapes need no sightings
+    #: a forward with grad keeps each layer's attention output for the checkpointed recompute
+    #: (``attention/kept.py``), where the memory model lets the unit hold it (``GroupBudget.keeps_attention``)
+    keep_attention: bool = False
+    kept: KeptAttention | None = field(default=None, repr=False)  # this forward's kept outputs
     calls: int = 0
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -133,30 +139,32 @@ class UnitAttentionMetadata:
 
     @classmethod
     def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
-                  device: torch.device, layouts: list[dict] | None = None) -> list[UnitAttentionMetadata]:
+                  device: torch.device, layouts: list[dict] | None = None,
+                  keeps: list[bool] | None = None) -> list[UnitAttentionMetadata]:
         """Every unit's metadata from two uploads (int64 and int32) made before any compute;
-        ``layouts``: the units' ``plan.unit_layout`` where the caller has them already."""
+        ``layouts``: the units' ``plan.unit_layout`` where the caller has them already; ``keeps``:
+        per unit, whether it keeps its attention outputs for the recompute."""
         if layouts is None:
             layouts = [unit_layout(forest, u) for u in units]
-        return cls._from_layouts(layouts, units, forest.max_depth, stack, backend, device)
+        return cls._from_layouts(layouts, units, forest.max_depth, stack, backend, device, keeps)
 
     @classmethod
     def build_padded(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,
                      device: torch.device, layouts: list[dict], rows_src: list[np.ndarray],
-                     rows_targets: list[np.ndarray]
+                     rows_targets: list[np.ndarray], keeps: list[bool] | None = None
                      ) -> tuple[list[UnitAttentionMetadata], list[torch.Tensor], list[torch.Tensor]]:
         """Every unit padded to buckets (``dfs/buckets.py``): ``(metas, src, targets)`` from the units'
         exact ``layouts`` (``plan.unit_layout``) and their scored rows, ``rows_src`` and
         ``rows_targets`` (unit-relative sources, target tokens)."""
         layouts = [padded_unit_layout(layout, u, s, t)
                    for layout, u, s, t in zip(layouts, units, rows_src, rows_targets)]
-        metas = cls._from_layouts(layouts, units, _power_of_two(forest.max_depth), stack, backend, device)
+        metas = cls._from_layouts(layouts, units, _power_of_two(forest.max_depth), stack, backend, device, keeps)
         rows = upload([a for layout in layouts for a in (layout["src"], layout["targets"])], torch.int64, device)
         return metas, rows[0::2], rows[1::2]
 
     @classmethod
     def _from_layouts(cls, layouts: list[dict], units: list[Unit], max_depth: int, stack: KVStack, backend: str,
-                      device: torch.device) -> list[UnitAttentionMetadata]:
+                      device: torch.device, keeps: list[bool] | None = None) -> list[UnitAttentionMetadata]:
         padded = "own_slots" in layouts[0]
         long_arrays, int_arrays = [], []
         for layout, unit in zip(layouts, units):
@@ -184,7 +192,8 @@ class UnitAttentionMetadata:
                          "prefix_valid": torch.arange(depth, device=device) < prefix_cu_k[1:]}
             metas.append(cls(
                 backend=backend, stack=stack, depth=depth, num_tokens=n, max_depth=max_depth,
-                pushed=unit.pushed, input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                pushed_tokens=layout.get("pushed_tokens", unit.pushed_tokens), input_ids=tokens.unsqueeze(0),
+                position_ids=positions.unsqueeze(0), keep_attention=bool(keeps[i]) if keeps is not None else False,
                 kv_local=None if own_only else kv_local,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=int(layout["max_seqlen_q"]), max_seqlen_k=int(layout["max_seqlen_k"]),
@@ -238,7 +247,7 @@ class UnitAttentionMetadata:
         if layer is None:
             raise ValueError(f"{type(module).__name__} has no layer_idx; the depth-first walk needs it to find its K/V")
         out = _UnitAttention.apply(to_varlen(query), to_varlen(key), to_varlen(value), sinks, self, int(layer),
-                                   scaling, (window, softcap))
+                                   scaling, (window, softcap), module)
         return out.unsqueeze(0)
 
 
@@ -288,13 +297,32 @@ def _own_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
     return buf[d : d + n] if meta.own_slots is None else buf.index_select(0, meta.own_slots)
 
 
-def _zero_own_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> None:
-    """Empty the unit's own rows of a stack buffer (a pushed node's gradient slots, once consumed)."""
-    d, n = meta.depth, meta.num_tokens
+def _pushed_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
+    """The rows of a gradient buffer where the unit's pushed tokens collected their descendants' K/V
+    gradients."""
+    d, m = meta.depth, meta.pushed_tokens
+    return buf[d : d + m] if meta.own_slots is None else buf.index_select(0, meta.own_slots[:m])
+
+
+def _zero_pushed_slots(meta: UnitAttentionMetadata, buf: torch.Tensor) -> None:
+    """Empty the pushed tokens' gradient slots, once consumed."""
+    d, m = meta.depth, meta.pushed_tokens
     if meta.own_slots is None:
-        buf[d : d + n] = 0
+        buf[d : d + m] = 0
     else:
-        buf.index_fill_(0, meta.own_slots, 0)
+        buf.index_fill_(0, meta.own_slots[:m], 0)
+
+
+def _with_descendant_grads(meta: UnitAttentionMetadata, own: torch.Tensor, slots: torch.Tensor,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """The own K (or V) gradient plus what descendants left in the pushed tokens' fp32 slots, in
+    ``dtype``: summed at fp32 precision, rounded once."""
+    m = meta.pushed_tokens
+    if m >= own.shape[0]:  # a pushed node: every row
+        return (slots + own).to(dtype)  # fp32: the model-dtype gradient is promoted inside the add
+    out = own.to(dtype)  # a merged pop: its node's rows, then its group's (nothing waits in those)
+    out[:m] = slots + own[:m]
+    return out
 
 
 def _reference_keys(meta: UnitAttentionMetadata, buf: torch.Tensor) -> torch.Tensor:
@@ -326,7 +354,8 @@ def _own_key_grads(meta: UnitAttentionMetadata, rows: torch.Tensor, like: torch.
 
 class _UnitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, meta: UnitAttentionMetadata, layer: int, scaling: float, variants=(None, None)):
+    def forward(ctx, q, k, v, sinks, meta: UnitAttentionMetadata, layer: int, scaling: float, variants=(None, None),
+                module: object = None):
         kb, vb = meta.stack.buffers(layer, k)
         d, n = meta.depth, meta.num_tokens
         if meta.own_slots is None:
@@ -352,6 +381,16 @@ class _UnitAttention(torch.autograd.Function):
             ctx.states = (state, None)
             ctx.save_for_backward(q, out, lse)
             return out
+        kept = meta.kept  # kept outputs: attention/kept.py
+        recompute = kept is not None and kept.recomputing(meta.calls)
+        entry = kept.take(module) if recompute else None
+        if entry is not None:  # the checkpointed recompute: what the forward computed (its K/V are written above)
+            out, lse, ctx.states = entry
+            if out.shape != q.shape:
+                raise RuntimeError(f"kept attention output {tuple(out.shape)} does not match the recomputed queries "
+                                   f"{tuple(q.shape)}; the checkpointed forward ran another unit")
+            ctx.save_for_backward(q, out, lse)
+            return out
         own_pair, prefix_pair = _kernel_pairs(meta, q)
         out, lse, own_state = own_pair[0](q, _own_rows(meta, k), _own_rows(meta, v), meta.cu_seqlens_q,
                                           meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, True, scaling)
@@ -361,6 +400,8 @@ class _UnitAttention(torch.autograd.Function):
                                                         False, scaling)
             out, lse = merge_partials(out_p, lse_p, out, lse)
         ctx.states = (own_state, prefix_state)
+        if kept is not None and not recompute:  # the alias, not the output autograd is handed now
+            kept.keep(module, (out.detach(), lse, ctx.states))
         ctx.save_for_backward(q, out, lse)
         return out
 
@@ -416,9 +457,10 @@ class _UnitAttention(torch.autograd.Function):
                 dq, dk_all, dv_all, *d_sinks = torch.autograd.grad(ref, inputs, grad_out)
             _add_prefix_grads(meta, gk, gv, dk_all[:d], dv_all[:d])
             dk_own, dv_own = dk_all[d:], dv_all[d:]
-        if meta.pushed:  # own K/V: the kernel's gradient plus what descendants left in these fp32 slots; free them
-            dk_own = _own_slots(meta, gk) + dk_own  # fp32: the model-dtype gradient is promoted inside the add
-            dv_own = _own_slots(meta, gv) + dv_own
-            _zero_own_slots(meta, gk)
-            _zero_own_slots(meta, gv)
-        return dq, dk_own.to(q.dtype), dv_own.to(q.dtype), (d_sinks[0] if d_sinks else None), None, None, None, None
+        if meta.pushed_tokens:  # own K/V: the kernel's gradient plus what descendants left in the fp32 slots
+            dk_own = _with_descendant_grads(meta, dk_own, _pushed_slots(meta, gk), q.dtype)
+            dv_own = _with_descendant_grads(meta, dv_own, _pushed_slots(meta, gv), q.dtype)
+            _zero_pushed_slots(meta, gk)  # consumed: free for the next node pushed there
+            _zero_pushed_slots(meta, gv)
+        return (dq, dk_own.to(q.dtype), dv_own.to(q.dtype), (d_sinks[0] if d_sinks else None), None, None, None, None,
+                None)

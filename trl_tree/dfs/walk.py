@@ -30,11 +30,13 @@ import torch
 
 from .._device import upload
 from ..attention.dispatch import install
+from ..attention.kept import KeptAttention
 from ..attention.partial import PARTIAL_KERNELS
 from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
+from ..attention.buckets import bucket
 from .buckets import padded_stack_size
 from .graphs import UnitReplay, WalkGraphs
 from .plan import WalkPlan, plan_walk, unit_layout
@@ -81,17 +83,23 @@ class DepthFirstWalk:
 
     def __init__(self, parts: ModelParts, forest: PrefixForest, scoring: ScoringPlan, backend: str,
                  temperature: float, chunk_size: int | None, group_tokens: Callable[[int], int] | None = None,
-                 graphs: WalkGraphs | None = None, buckets: bool = False) -> None:
+                 graphs: WalkGraphs | None = None, buckets: bool = False, merge_pops: bool = False,
+                 keeps_attention: Callable[[int, int], bool] | None = None) -> None:
+        """``merge_pops``: a pop recomputes its node with its first group of children (``plan_walk``;
+        a training walk that recomputes pushed nodes, ``keep_graph=False``). ``keeps_attention(tokens,
+        depth)``: whether a unit of that size keeps its attention outputs for the checkpointed
+        recompute (``attention/kept.py``; the memory model's ``GroupBudget.keeps_attention``);
+        None: no unit does."""
         self.parts = parts
         self.scoring = scoring
         self.backend = backend
         self.temperature = temperature
-        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens)
+        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens, merge_pops)
         self.device = parts.device
         self.graphs = graphs  # replay units from CUDA graphs where captured (``dfs/graphs.py``)
         units = self.plan.units
         slots = self.plan.stack_size
-        grad_slots = max((u.depth + u.num_tokens for u in units if u.pushed), default=0)
+        grad_slots = max((u.depth + u.pushed_tokens for u in units), default=0)
         buckets = buckets and graphs is not None
         if buckets:  # the units padded to buckets read and write more slots (``dfs/buckets.py``)
             slots, grad_slots = (max(a, b) for a, b in zip((slots, grad_slots), padded_stack_size(units)))
@@ -100,14 +108,18 @@ class DepthFirstWalk:
         else:
             self.stack = KVStack(parts.num_layers, slots, grad_slots)
         layouts = [unit_layout(self.plan.forest, u) for u in units]
-        self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device, layouts)
+        # a unit keeps its attention where its padded size would still fit (one rule for both layouts)
+        keeps = [keeps_attention is not None and u.scored
+                 and keeps_attention(bucket(u.num_tokens) if buckets else u.num_tokens, u.depth) for u in units]
+        self.metas = UnitAttentionMetadata.build_all(self.plan.forest, units, self.stack, backend, self.device, layouts,
+                                                     keeps)
         rows_src, rows_targets = self._upload_scoring()
         #: per unit, ``(meta, src, targets)`` padded to buckets: what a replay uses where the unit's own
         #: shape has no graph (free-length rollouts)
         self.padded: list[tuple] | None = None
         if buckets:
             metas, src, targets = UnitAttentionMetadata.build_padded(
-                self.plan.forest, units, self.stack, backend, self.device, layouts, rows_src, rows_targets)
+                self.plan.forest, units, self.stack, backend, self.device, layouts, rows_src, rows_targets, keeps)
             self.padded = list(zip(metas, src, targets))
         install(parts.causal_lm.config._attn_implementation)
 
@@ -151,6 +163,8 @@ class DepthFirstWalk:
     def _forward(self, u: int) -> torch.Tensor:
         meta = self.metas[u]
         meta.calls = 0
+        # kept for the recompute of a forward with grad (consumed by its backward, layer by layer)
+        meta.kept = KeptAttention(self.parts.num_layers) if meta.keep_attention and torch.is_grad_enabled() else None
         if self.parts.router is not None:
             self.parts.router_weights = self.unit_weights[u]
         return tree_forward(self.parts, meta.input_ids, meta)
@@ -198,6 +212,8 @@ class DepthFirstWalk:
     def logprobs(self, with_entropy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Per-row ``(logps, entropies, values)`` from a forward-only walk (pops are no-ops); None
         for what the call does not score."""
+        if self.plan.merged:
+            raise ValueError("a forward-only walk scores every unit at its push or group: plan it without merge_pops")
         P = self.scoring.num_predictions
         parts = self.parts
 
@@ -235,6 +251,9 @@ class DepthFirstWalk:
         """Forward, loss and backward of every unit in depth-first order, then the LM head's weight
         gradient in one call; returns the loss value. ``with_entropy``: ``token_loss`` takes the
         entropies as a fourth argument."""
+        if keep_graph and self.plan.merged:
+            raise ValueError("keep_graph=True keeps a pushed node's graph until its pop, which a merged pop "
+                             "recomputes: plan the walk without merge_pops")
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         kept: dict[int, torch.Tensor] = {}
         head = (_DeferredHead(self.scoring.num_predictions, self.device, with_entropy) if self._head_trains()
