@@ -230,6 +230,19 @@ def test_merged_pops_match_the_untreed_model(qwen2, split_attention_on_cpu, monk
     assert any(u.num_tokens > u.pushed_tokens for u in pops)
 
 
+def test_padded_walks_merge_only_short_nodes():
+    """``merge_long_nodes=False`` (walks padded to buckets): a pop takes its first group along only
+    where the group's nodes gather no more of the node's keys than the group has tokens."""
+    from trl_tree.tiny import grpo_group
+
+    short = PrefixForest.from_sequences(grpo_group(4, 12, 6, 96, seed=1))  # groups of 3 x 12: 3 x 4 keys gathered
+    long_ = PrefixForest.from_sequences(grpo_group(12, 6, 6, 96, seed=1))  # groups of 3 x 6: 3 x 12 keys gathered
+    for forest, chunk, merged_when_short_only in ((short, 41, True), (long_, 31, False)):
+        scoring = forest.scoring_plan()
+        assert plan_walk(forest, scoring, chunk, merge_pops=True).merged
+        assert plan_walk(forest, scoring, chunk, merge_pops=True, merge_long_nodes=False).merged == merged_when_short_only
+
+
 def test_walk_units_keep_their_attention_for_the_recompute(monkeypatch):
     """Under gradient checkpointing a unit keeps its attention outputs from the forward, so the
     recompute in its backward runs no attention kernel: exact, fewer kernel calls, nothing left kept."""

@@ -35,6 +35,17 @@ def free_groups(seed: int, prompts: int = 2, group: int = 4) -> list[list[int]]:
     return seqs
 
 
+def short_prompt_groups(seed: int) -> list[list[int]]:
+    """Two GRPO groups of 3-token prompts and 4 completions of 8-12 tokens: cut at 30 tokens, each
+    prompt is pushed and its pop takes the first group of completions along (a merged pop)."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(2):
+        prompt = rng.integers(0, VOCAB, 3).tolist()
+        seqs += [prompt + rng.integers(0, VOCAB, int(rng.integers(8, 13))).tolist() for _ in range(4)]
+    return seqs
+
+
 def _garbage_rows(grad: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     grad = grad.clone()
     grad[int(cu[-1]) :] = float("nan")  # rows past the last segment: unwritten by FlashAttention
@@ -75,8 +86,9 @@ def _padded_graphs(model) -> list:
 
 
 @pytest.mark.parametrize("seqs,chunk_size,checkpoint", [(free_groups(0), None, False),
-                                                         (deep_tree(5, VOCAB, seed=3), 12, True)],
-                         ids=["free-grpo", "deep-tree-chunked-checkpointed"])
+                                                         (deep_tree(5, VOCAB, seed=3), 12, True),
+                                                         (short_prompt_groups(0), 30, True)],
+                         ids=["free-grpo", "deep-tree-chunked-checkpointed", "merged-pops-checkpointed"])
 def test_padded_units_match_the_untreed_model(backend, monkeypatch, seqs, chunk_size, checkpoint):
     """Every unit replayed from its bucket's graphs (the exact shapes never captured): eager walk,
     capture walk, replay walk — the untreed loss and gradients every time, every slot consumed."""
@@ -96,7 +108,9 @@ def test_padded_units_match_the_untreed_model(backend, monkeypatch, seqs, chunk_
     # pads were added: some unit holds more tokens or reads more prefix slots than it has
     assert any(g.meta.num_tokens > int(g.meta.cu_seqlens_q[-2]) or g.meta.depth > int(g.meta.prefix_cu_k[1])
                for g in padded)
-    if chunk_size is not None:  # groups of subtrees: some gather past their last segment (unread, dropped)
+    if chunk_size == 30:  # merged pops: their prompt's gradient slots read, their group's not
+        assert any(0 < g.meta.pushed_tokens < g.meta.num_tokens for g in padded)
+    if chunk_size == 12:  # groups of subtrees: some gather past their last segment (unread, dropped)
         assert any(g.meta.kv_scatter is not None and bool((g.meta.kv_scatter == g.meta.num_tokens).any())
                    for g in padded)
 

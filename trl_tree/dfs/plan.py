@@ -83,13 +83,18 @@ class WalkPlan:
 
 
 def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None,
-              group_tokens: Callable[[int], int] | None = None, merge_pops: bool = False) -> WalkPlan:
+              group_tokens: Callable[[int], int] | None = None, merge_pops: bool = False,
+              merge_long_nodes: bool = True) -> WalkPlan:
     """Cut ``forest`` into units and order them depth-first (children before a node's backward).
 
     ``group_tokens(depth)``: how many tokens a group below a prefix of ``depth`` tokens may hold
     (used only without ``chunk_size``, which is a hard bound). ``merge_pops``: a pop recomputes its
     node together with the node's first group of children where they fit (module docstring); only
-    for a walk that recomputes pushed nodes with grad at their pop."""
+    for a walk that recomputes pushed nodes with grad at their pop. ``merge_long_nodes=False``: only
+    where the group's nodes gather no more of the node's keys than the group has tokens (a walk padded
+    to buckets, ``dfs/buckets.py``: there a merged pop's shape varies with its group where a pushed
+    node's pop alone repeats, so its graphs take longer to be captured, and a long node's own call is
+    not latency-bound: measured, merging it gained nothing in the step)."""
     if chunk_size is not None:
         forest = forest.split_nodes(chunk_size)
         group_tokens = None
@@ -125,10 +130,14 @@ def plan_walk(forest: PrefixForest, scoring: ScoringPlan, chunk_size: int | None
         taken out of ``kid_items``)."""
         if not merge_pops or not kid_items or kid_items[0][0] != "group":
             return None
-        last = kid_items[0][1][-1]  # type: ignore[index]
+        group = kid_items[0][1]
+        first, last = group[0], group[-1]  # type: ignore[index]
         length = int(forest.node_length[c])
         end = int(sub_end_tok[last])
         if end - int(node_start[c]) > budget_at(int(forest.node_depth[c])):
+            return None
+        # every node of the group gathers the node's keys in the merged call
+        if not merge_long_nodes and length * (int(node_sub_hi[last]) - first) > end - int(node_start[first]):
             return None
         del kid_items[0]
         return Unit(int(node_start[c]), end, int(forest.node_depth[c]), c, int(node_sub_hi[last]), length)

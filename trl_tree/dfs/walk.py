@@ -94,7 +94,8 @@ class DepthFirstWalk:
         self.scoring = scoring
         self.backend = backend
         self.temperature = temperature
-        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens, merge_pops)
+        self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens, merge_pops,
+                                        merge_long_nodes=not (buckets and graphs is not None))
         self.device = parts.device
         self.graphs = graphs  # replay units from CUDA graphs where captured (``dfs/graphs.py``)
         units = self.plan.units
