@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._device import upload
+from ..attention.buckets import bucket
 from ..attention.dispatch import install
 from ..attention.kept import KeptAttention
 from ..attention.partial import PARTIAL_KERNELS
@@ -36,7 +37,6 @@ from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
-from ..attention.buckets import bucket
 from .buckets import padded_stack_size
 from .graphs import UnitReplay, WalkGraphs
 from .plan import WalkPlan, plan_walk, unit_layout
