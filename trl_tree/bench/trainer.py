@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = shaped_config(args.size)
     tok = _tokenizer(config.vocab_size)
-    rng = np.random.default_rng(0)
+    # every process draws its own rollouts: with one seed, the ranks' prompts and completions would be the
+    # same tokens, and trees placed over ranks would share them across ranks (a T/U no real run has)
+    rng = np.random.default_rng([0, int(os.environ.get("RANK", 0))] if "RANK" in os.environ else 0)
     if args.workload == "W4":
         trajectories = agentic_tree(config.vocab_size)
         system = 4800
