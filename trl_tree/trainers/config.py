@@ -88,10 +88,11 @@ class TreeArguments:
 
     tree_keep_attention: bool = field(
         default=True,
-        metadata={"help": "packed mode under gradient checkpointing: keep each layer's attention output and "
+        metadata={"help": "under gradient checkpointing: keep each layer's attention output and "
                   "log-sum-exp from the forward so the recompute skips the attention kernels (the same gradients, a "
                   "little faster, more on deep trees) for one hidden-sized tensor per unique token and "
-                  "layer. False: recompute the attention, as TRL does."},
+                  "layer; in packed mode every call, in dfs mode the walk's units where the memory model says "
+                  "they still fit with them. False: recompute the attention, as TRL does."},
     )
     tree_compile_layers: bool = field(
         default=False,
