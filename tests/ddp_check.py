@@ -32,10 +32,10 @@ def main(checkpoint: str, out_dir: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
     graphs.CPU_STAND_IN = graphs.EagerReplay  # CPU: the stand-in runs everything a graph replay would
-    for run in ("packed", "dfs", "graphs"):
-        mode = "packed" if run == "graphs" else run
+    for run in ("packed", "dfs", "graphs", "dfs-graphs"):
+        mode = "packed" if run == "graphs" else run.split("-")[0]
         args = TreeGRPOConfig(
-            output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_cuda_graphs=run == "graphs",
+            output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_cuda_graphs=run.endswith("graphs"),
             num_iterations=2, per_device_train_batch_size=4,
             num_generations=4, max_completion_length=8, learning_rate=0.05, optim="sgd", max_steps=2,
             gradient_accumulation_steps=2, beta=0.04, use_cpu=True, bf16=False, report_to="none",
@@ -49,7 +49,7 @@ def main(checkpoint: str, out_dir: str) -> None:
         rank = trainer.accelerator.process_index
         assert trainer.accelerator.num_processes == 2, "expected two processes"
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        if run == "graphs":  # the graphed path ran: layouts captured on the unwrapped model
+        if run.endswith("graphs"):  # the graphed path ran: layouts (or walk units) captured on the unwrapped model
             runner = graphs._RUNNERS[trainer.accelerator.unwrap_model(trainer.model)]
             params["captures"] = torch.tensor(runner.captures)
         torch.save(params, os.path.join(out_dir, f"{run}_rank{rank}.pt"))

@@ -71,6 +71,41 @@ def test_replayed_walk_matches_the_untreed_model(stand_in, checkpoint, seqs, chu
     assert captures[2] == captures[1]  # the third replays
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, "buckets"])
+def test_replayed_walk_under_several_processes_takes_gradients_of_views(stand_in, monkeypatch, cuda_graphs):
+    """Under ``torch.distributed`` the captured backward hands the gradients over through
+    ``torch.autograd.grad`` of views of the parameters (``graphs.GRADS_BY_AUTOGRAD_GRAD``), as the
+    packed graphs do: the same loss and gradients, the units replayed."""
+    monkeypatch.setattr(graphs, "GRADS_BY_AUTOGRAD_GRAD", True)
+    model = _model()
+    model.zero_grad(set_to_none=True)
+    ref_loss = untreed_backward(model, TREE, weighted_loss)
+    ref = grads_of(model)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = tree_backward(model, TREE, weighted_loss, mode="dfs", cuda_graphs=cuda_graphs, chunk_size=5)
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+        assert_grads_close(grads_of(model), ref)
+    assert graphs._RUNNERS[model].captures > 0 and _state(model).replayed > 0
+    assert all(g.views for g in _state(model).units.values() if g.train)
+
+
+def test_reentrant_checkpointing_under_several_processes_runs_the_walk_eagerly(stand_in, monkeypatch):
+    monkeypatch.setattr(graphs, "GRADS_BY_AUTOGRAD_GRAD", True)
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", vocab_size=VOCAB)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, TREE, weighted_loss)
+    ref = grads_of(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        tree_backward(model, TREE, weighted_loss, mode="dfs", cuda_graphs=True, chunk_size=5)
+        assert_grads_close(grads_of(model), ref)
+    assert model not in dfs_graphs._WALK_GRAPHS
+
+
 def test_units_of_one_shape_share_a_graph_and_new_tokens_replay(stand_in):
     model = _model()
     for _ in range(2):

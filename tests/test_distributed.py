@@ -30,14 +30,17 @@ def launched(tmp_path_factory):
 
 
 def test_two_processes_agree_and_dfs_and_graphs_equal_packed(launched):
+    """Packed, dfs, packed graphs and the walk's unit graphs (CPU stand-in): ranks agree, all equal packed."""
     tmp_path = launched
-    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in ("packed", "dfs", "graphs") for r in (0, 1)}
+    modes = ("packed", "dfs", "graphs", "dfs-graphs")
+    runs = {(m, r): torch.load(tmp_path / f"{m}_rank{r}.pt") for m in modes for r in (0, 1)}
     for rank in (0, 1):
-        assert int(runs[("graphs", rank)].pop("captures")) > 0, "the graphed run captured nothing"
-    for mode in ("packed", "dfs", "graphs"):
+        for mode in ("graphs", "dfs-graphs"):  # the walk's units replay under several processes too
+            assert int(runs[(mode, rank)].pop("captures")) > 0, f"the {mode} run captured nothing"
+    for mode in modes:
         for name, p in runs[(mode, 0)].items():
             assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
-    for mode in ("dfs", "graphs"):
+    for mode in ("dfs", "graphs", "dfs-graphs"):
         for name, p in runs[("packed", 0)].items():
             q = runs[(mode, 0)][name]
             assert torch.allclose(p, q, rtol=0, atol=1e-9), f"{mode} differs from packed on {name}"

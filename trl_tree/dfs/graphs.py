@@ -31,9 +31,12 @@ What a replay relies on, and how it is kept:
 - Warm-up runs before a capture execute the unit's backward, which would add to the stack's
   gradient slots and clear the unit's own; the slots are saved before and restored after.
 - Replays need nothing the host reads from the GPU; calls that do (a sliding window's per-node
-  paths) or that hooks record (a MoE router's loss), a critic's value head, a length-dependent
-  RoPE and several processes (the packed graphs' views of the parameters are not done here) run
-  their units eagerly — the same numbers, without the replay.
+  paths) or that hooks record (a MoE router's loss), a critic's value head and a length-dependent
+  RoPE run their units eagerly — the same numbers, without the replay.
+- Several processes replay as the packed graphs do: the captured backward takes the gradients of
+  views of the parameters (``graphs.GRADS_BY_AUTOGRAD_GRAD``), never reaching their AccumulateGrad
+  nodes, which DDP ties to the stream they were made on. Reentrant checkpointing cannot hand
+  gradients to ``torch.autograd.grad``, so under several processes it runs the units eagerly.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class _UnitGraph:
     train: bool
     outputs: tuple = ()  # static scores (log-probs[, entropies]) and, train: the zero anchor
     hidden_rows: torch.Tensor | None = None  # static final hidden states of the rows (deferred LM head)
+    views: dict = field(default_factory=dict)  # several processes: the parameters' views the capture ran on
     live: tuple = ()
     grad_outputs: tuple = ()
     forward: object = None
@@ -118,11 +122,13 @@ def walk_graphs(parts: ModelParts, backend: str, features: dict) -> WalkGraphs |
     """This model's unit graphs, or None where its units cannot be replayed (they run eagerly);
     ``features``: its attention's variants (``attention.support.attention_features``)."""
     if (parts.router is not None or parts.value_head is not None or parts.length_dependent_rope
-            or not parts.scores_logps or packed_graphs._grads_by_autograd_grad()):
+            or not parts.scores_logps):
         return None
     if features["window"] or features["softcap"] is not None or features["sinks"]:
         return None
     runner = packed_graphs._runner(parts)
+    if packed_graphs._grads_by_autograd_grad() and packed_graphs._reentrant_checkpointing(runner.modules):
+        return None  # several processes take the gradients with autograd.grad, which reentrant checkpointing cannot
     packed_graphs.check_graphable(parts, backend, runner.params, runner.wrapper)
     state = _WALK_GRAPHS.get(parts.causal_lm)
     if state is None or state.runner is not runner:
@@ -264,15 +270,22 @@ class UnitReplay:
         parts, runner, meta, stack = self.parts, self.state.runner, graph.meta, self.state.stack
         install(parts.causal_lm.config._attn_implementation)
         with_entropy, temperature = self.with_entropy, self.temperature
+        # several processes: the captured backward takes the gradients of views of the parameters (as the
+        # packed graphs do, ``graphs.GRADS_BY_AUTOGRAD_GRAD``): DDP ties each parameter's AccumulateGrad
+        # node to the stream it was made on, which a captured backward must not reach
+        by_views = graph.train and packed_graphs._grads_by_autograd_grad()
+        slots = packed_graphs._parameter_slots(runner.modules, runner.params) if by_views else []
 
         def forward() -> tuple:
             meta.calls = 0
             # kept for the recompute inside the captured backward (``attention/kept.py``)
             meta.kept = KeptAttention(parts.num_layers) if meta.keep_attention and graph.train else None
             meta._mask = None  # the reference backends' mask, built from the static tensors inside the graph
-            hidden = tree_forward(parts, meta.input_ids, meta)
-            logp, ent, _ = score_rows(hidden, parts, graph.src, graph.targets, temperature, with_entropy,
-                                      head_grad)
+            graph.views = {id(p): p.view_as(p) for p in runner.params} if by_views else {}
+            with packed_graphs._swapped_in(slots, graph.views):
+                hidden = tree_forward(parts, meta.input_ids, meta)
+                logp, ent, _ = score_rows(hidden, parts, graph.src, graph.targets, temperature, with_entropy,
+                                          head_grad)
             scored = (logp, ent) if with_entropy else (logp,)
             if not graph.train:
                 live = scored
@@ -293,8 +306,16 @@ class UnitReplay:
             return live
 
         def backward(into_buffers: bool = True) -> None:
-            runner.backward_into_buffers(
-                [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad], into_buffers)
+            outputs = [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad]
+            if by_views:
+                with packed_graphs._swapped_in(slots, graph.views):  # the checkpointed recompute meets the same views
+                    grads = torch.autograd.grad([o for o, _ in outputs], [graph.views[id(p)] for p in runner.params],
+                                                [g for _, g in outputs], allow_unused=True)
+                if into_buffers:  # capturing: into the buffers; warming up: thrown away
+                    got = [(b, g) for b, g in zip(runner.grad_buffers, grads) if g is not None]
+                    torch._foreach_add_([b for b, _ in got], [g for _, g in got])
+            else:
+                runner.backward_into_buffers(outputs, into_buffers)
             meta.kept = None
 
         device = parts.device

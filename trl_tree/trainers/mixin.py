@@ -320,9 +320,12 @@ class TreeTrainerMixin:
         call_kwargs = self._call_kwargs(input_ids.shape[1])
         router = self._router() if compute_aux_loss else None
         value_head = self._joint_value_head() if differentiable else None
+        # a two-pass call's forward-only first pass replays graphs too, which DDP's wrapper refuses; it
+        # runs none of DDP's hooks anyway (no graph is built), so it takes the unwrapped model
+        unwrapped = by_hand or (two_pass and self._graphs_by_hand())
         with self.accelerator.autocast():
             logps, entropies, values = self._score_calls(
-                self.accelerator.unwrap_model(model) if by_hand else model, rows, calls, forests, compute_entropy,
+                self.accelerator.unwrap_model(model) if unwrapped else model, rows, calls, forests, compute_entropy,
                 two_pass, router, call_kwargs, value_head)
         aux_loss = router.loss() if router is not None else None
         if two_pass:
