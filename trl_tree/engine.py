@@ -246,7 +246,14 @@ def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None
     (checkpointing on, training mode — HF recomputes only then) and the backend's function can hand
     them back (the partial-kernel FlashAttention path). ``checkpointing``: :func:`_checkpointing`'s
     answer where the caller has it already (it walks the model's modules)."""
-    return (_wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS and torch.is_grad_enabled()
+    return torch.is_grad_enabled() and _recomputes_kept_attention(parts, backend, keep_attention, checkpointing)
+
+
+def _recomputes_kept_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None,
+                               checkpointing: bool | None = None) -> bool:
+    """:func:`keeps_attention` whatever the grad mode: the walk asks before its units enable grad
+    (inside the Trainer, from autograd's backward, where grad is off)."""
+    return (_wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS
             and (_checkpointing(parts) if checkpointing is None else checkpointing) and parts.causal_lm.training)
 
 
@@ -450,8 +457,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
             forward_only=forward_only)
     budget = group_tokens
     keeps = None
-    if (budget is not None and not forward_only and _wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS
-            and _checkpointing(parts) and parts.causal_lm.training):
+    if budget is not None and not forward_only and _recomputes_kept_attention(parts, backend, keep_attention):
         keeps = budget.keeps_attention
     buckets = graphs is not None and cuda_graphs == "buckets"
     if buckets and budget is not None:  # a padded group stays within the memory its budget was sized for

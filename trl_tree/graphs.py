@@ -266,6 +266,24 @@ class GraphRunner:
             for p, g in zip(self.params, saved):
                 p.grad = g
 
+    def parameter_views(self) -> dict[int, torch.Tensor]:
+        """A view of every trainable parameter, by the parameter's id: what a capture under several
+        processes runs on (``GRADS_BY_AUTOGRAD_GRAD``), swapped into the modules by ``_swapped_in``."""
+        return {id(p): p.view_as(p) for p in self.params}
+
+    def backward_through_views(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], slots: list,
+                               views: dict[int, torch.Tensor], into_buffers: bool) -> None:
+        """``torch.autograd.grad`` of ``(output, gradient)`` pairs with respect to ``views`` (the
+        checkpointed recompute meets the same views, swapped in at ``slots``), added into the buffers
+        (capturing) or thrown away (warming up): the gradients never reach the parameters'
+        AccumulateGrad nodes, which DDP ties to the stream they were made on."""
+        with _swapped_in(slots, views):
+            grads = torch.autograd.grad([o for o, _ in outputs], [views[id(p)] for p in self.params],
+                                        [g for _, g in outputs], allow_unused=True)
+        if into_buffers:
+            got = [(b, g) for b, g in zip(self.grad_buffers, grads) if g is not None]
+            torch._foreach_add_([b for b, _ in got], [g for _, g in got])
+
     def capture(self, pair, device: torch.device, forward: Callable[[], tuple],
                 backward: Callable[..., None] | None = None, warm_up_on_cpu: bool = False,
                 around_warm_ups: Callable[[], AbstractContextManager] = nullcontext) -> None:
@@ -509,7 +527,7 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
         meta.calls = 0
         meta._cache.clear()  # masks built lazily from the static tensors: inside the graph, every replay
         meta.kept = KeptAttention(parts.num_layers) if keep else None
-        pair.views = {id(p): p.view_as(p) for p in runner.params} if by_views else {}
+        pair.views = runner.parameter_views() if by_views else {}
         with _swapped_in(slots, pair.views):
             hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)
             logp, ent = score_predictions(hidden, parts, pair.pred_src, pair.targets, temperature, with_entropy)
@@ -522,15 +540,9 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
     def backward(into_buffers: bool = True) -> None:
         outputs = [(o, g) for o, g in zip(pair.live, pair.grad_outputs) if o.requires_grad]
         if by_views:
-            with _swapped_in(slots, pair.views):  # the checkpointed recompute must meet the same views
-                grads = torch.autograd.grad([o for o, _ in outputs], [pair.views[id(p)] for p in runner.params],
-                                            [g for _, g in outputs], allow_unused=True)
-            if into_buffers:  # capturing: into the buffers; warming up: thrown away (they may hold gradients)
-                got = [(b, g) for b, g in zip(runner.grad_buffers, grads) if g is not None]
-                torch._foreach_add_([b for b, _ in got], [g for _, g in got])
-            meta.kept = None
-            return
-        runner.backward_into_buffers(outputs, into_buffers)
+            runner.backward_through_views(outputs, slots, pair.views, into_buffers)
+        else:
+            runner.backward_into_buffers(outputs, into_buffers)
         meta.kept = None
 
     device = parts.device

@@ -189,15 +189,14 @@ class _TorchFlashTreeAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, meta: TreeAttentionMetadata, scale: float, layer: object = None,
                 window: int | None = None):
         kept = meta.kept if layer is not None else None  # kept outputs: attention/kept.py
-        recompute = kept is not None and kept.recomputing(meta.calls)
-        result = kept.take(layer) if recompute else None
+        result = kept.recomputed(meta.calls, layer) if kept is not None else None
         if result is not None and result.out.shape != q.shape:
             raise RuntimeError(f"kept attention output {tuple(result.out.shape)} does not match the recomputed "
                                f"queries {tuple(q.shape)}; the checkpointed forward ran another layout")
         if result is None:
             result = _attend(q, k, v, meta, scale, window)
-            if kept is not None and not recompute:  # the alias, not the output autograd is handed now
-                kept.keep(layer, result._replace(out=result.out.detach()))
+            if kept is not None:
+                kept.keep_from_forward(meta.calls, layer, result._replace(out=result.out.detach()))
         ctx.meta, ctx.scale, ctx.window = meta, scale, window
         ctx.one_tree, ctx.rect_on_dense, ctx.states, ctx.dense = (result.one_tree, result.rect_on_dense,
                                                                   result.states, result.dense)

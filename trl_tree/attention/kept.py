@@ -37,6 +37,17 @@ class KeptAttention:
     def keep(self, module: object, entry: Any) -> None:
         self._kept.setdefault(id(module), []).append(entry)
 
+    def recomputed(self, calls: int, module: object) -> Any | None:
+        """What the ``calls``-th attention call of this metadata gets back: the module's kept entry
+        (taken) when the call is the recompute, else None (compute it)."""
+        return self.take(module) if self.recomputing(calls) else None
+
+    def keep_from_forward(self, calls: int, module: object, entry: Any) -> None:
+        """Keep ``entry`` if the ``calls``-th call is the forward (its output detached by the caller:
+        the alias, not the tensor autograd is handed now); a recompute that found nothing keeps nothing."""
+        if not self.recomputing(calls):
+            self.keep(module, entry)
+
     def take(self, module: object) -> Any | None:
         """The module's latest kept entry, removed (None: nothing kept, compute it again)."""
         stack = self._kept.get(id(module))

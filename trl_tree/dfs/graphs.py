@@ -281,7 +281,7 @@ class UnitReplay:
             # kept for the recompute inside the captured backward (``attention/kept.py``)
             meta.kept = KeptAttention(parts.num_layers) if meta.keep_attention and graph.train else None
             meta._mask = None  # the reference backends' mask, built from the static tensors inside the graph
-            graph.views = {id(p): p.view_as(p) for p in runner.params} if by_views else {}
+            graph.views = runner.parameter_views() if by_views else {}
             with packed_graphs._swapped_in(slots, graph.views):
                 hidden = tree_forward(parts, meta.input_ids, meta)
                 logp, ent, _ = score_rows(hidden, parts, graph.src, graph.targets, temperature, with_entropy,
@@ -308,12 +308,7 @@ class UnitReplay:
         def backward(into_buffers: bool = True) -> None:
             outputs = [(o, g) for o, g in zip(graph.live, graph.grad_outputs) if o.requires_grad]
             if by_views:
-                with packed_graphs._swapped_in(slots, graph.views):  # the checkpointed recompute meets the same views
-                    grads = torch.autograd.grad([o for o, _ in outputs], [graph.views[id(p)] for p in runner.params],
-                                                [g for _, g in outputs], allow_unused=True)
-                if into_buffers:  # capturing: into the buffers; warming up: thrown away
-                    got = [(b, g) for b, g in zip(runner.grad_buffers, grads) if g is not None]
-                    torch._foreach_add_([b for b, _ in got], [g for _, g in got])
+                runner.backward_through_views(outputs, slots, graph.views, into_buffers)
             else:
                 runner.backward_into_buffers(outputs, into_buffers)
             meta.kept = None

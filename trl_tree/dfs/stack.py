@@ -382,8 +382,7 @@ class _UnitAttention(torch.autograd.Function):
             ctx.save_for_backward(q, out, lse)
             return out
         kept = meta.kept  # kept outputs: attention/kept.py
-        recompute = kept is not None and kept.recomputing(meta.calls)
-        entry = kept.take(module) if recompute else None
+        entry = kept.recomputed(meta.calls, module) if kept is not None else None
         if entry is not None:  # the checkpointed recompute: what the forward computed (its K/V are written above)
             out, lse, ctx.states = entry
             if out.shape != q.shape:
@@ -400,8 +399,8 @@ class _UnitAttention(torch.autograd.Function):
                                                         False, scaling)
             out, lse = merge_partials(out_p, lse_p, out, lse)
         ctx.states = (own_state, prefix_state)
-        if kept is not None and not recompute:  # the alias, not the output autograd is handed now
-            kept.keep(module, (out.detach(), lse, ctx.states))
+        if kept is not None:
+            kept.keep_from_forward(meta.calls, module, (out.detach(), lse, ctx.states))
         ctx.save_for_backward(q, out, lse)
         return out
 

@@ -94,14 +94,14 @@ class DepthFirstWalk:
         self.scoring = scoring
         self.backend = backend
         self.temperature = temperature
+        buckets = buckets and graphs is not None
         self.plan: WalkPlan = plan_walk(forest, scoring, chunk_size, group_tokens, merge_pops,
-                                        merge_long_nodes=not (buckets and graphs is not None))
+                                        merge_long_nodes=not buckets)
         self.device = parts.device
         self.graphs = graphs  # replay units from CUDA graphs where captured (``dfs/graphs.py``)
         units = self.plan.units
         slots = self.plan.stack_size
         grad_slots = max((u.depth + u.pushed_tokens for u in units), default=0)
-        buckets = buckets and graphs is not None
         if buckets:  # the units padded to buckets read and write more slots (``dfs/buckets.py``)
             slots, grad_slots = (max(a, b) for a, b in zip((slots, grad_slots), padded_stack_size(units)))
         if graphs is not None:  # the model's kept stack: the graphs are captured against its buffers
