@@ -114,6 +114,66 @@ def test_rank_balance_simulation_runs_on_the_cpu(tmp_path):
         assert r["T_over_U_whole_trees"] >= r["T_over_U_sliced_mean"]
 
 
+def test_trainer_bench_rollouts_depend_on_the_row_alone():
+    """``bench.trainer``'s rollouts: the same global batch gets the same rows on one process or two (the
+    update check compares them), a group cut over processes shares its prompt, no two rows of a group
+    share a completion, and W4's trees of different prompts share the system prompt and nothing else."""
+    from types import SimpleNamespace
+
+    from trl_tree import PrefixForest
+    from trl_tree.bench.trainer import BenchRollouts
+
+    def trainer(rank):
+        return SimpleNamespace(accelerator=SimpleNamespace(process_index=rank))
+
+    batch = [p for p in ("p3", "p7", "p1") for _ in range(4)]  # 3 groups of 4: the middle one straddles 2 ranks
+    rollouts = BenchRollouts(vocab=50, prompt=6, completion=8, group=4, free_lengths=True)
+    one = rollouts(batch, trainer(0))
+    halves = [rollouts(batch[:6], trainer(0)), rollouts(batch[6:], trainer(1))]
+    for key in one:
+        assert one[key] == halves[0][key] + halves[1][key]
+    rows = list(zip(one["prompt_ids"], one["completion_ids"]))
+    assert all(min(p + c) >= 2 and 4 <= len(c) <= 8 for p, c in rows)
+    for g in range(3):
+        group = rows[4 * g : 4 * g + 4]
+        assert len({tuple(p) for p, _ in group}) == 1 and len({tuple(c) for _, c in group}) == 4
+    assert rows[0][0] != rows[4][0]
+
+    agentic = BenchRollouts(vocab=50_000, prompt=0, completion=0, group=0, free_lengths=False, agentic=True)
+    assert (agentic.group, agentic.prompt, agentic.completion) == (12, 4800, 530)
+    out = agentic([p for p in ("a", "b") for _ in range(12)], trainer(0))
+    paths = [p + c for p, c in zip(out["prompt_ids"], out["completion_ids"])]
+    one_tree = PrefixForest.from_sequences(paths[:12])
+    both = PrefixForest.from_sequences(paths)
+    assert one_tree.num_tokens / one_tree.num_unique_tokens == pytest.approx(9.41, abs=0.01)
+    assert both.num_unique_tokens == 2 * one_tree.num_unique_tokens - 4800  # the system prompt once
+
+
+def test_trainer_bench_update_check(tmp_path, monkeypatch):
+    """``bench.trainer --update-check`` on a tiny Qwen2 shape on the CPU: the fp32 tree's update equals
+    the fp32 untreed reference, the bf16 ones keep DESIGN.md's rule against stock's bf16 error, and a
+    later launch reads the reference and stock's error from the directory."""
+    import json
+
+    import trl_tree.tiny
+    from trl_tree.bench.trainer import main
+
+    monkeypatch.setitem(trl_tree.tiny.QWEN2_SHAPES, "0.5b", (64, 128, 2, 4, 2, 1000, 4096))
+    shape = ["--size", "0.5b", "--group", "4", "--prompt", "16", "--completion", "8", "--per-device", "2",
+             "--accumulation", "4", "--free-lengths", "--update-check", str(tmp_path / "ref")]
+    with pytest.raises(FileNotFoundError, match="no reference"):
+        main([*shape, "--modes", "packed"])
+    assert main([*shape, "--modes", "off+fp32,off,packed+fp32,packed+window", "--out", str(tmp_path / "a.json")]) == 0
+    assert main([*shape, "--modes", "dfs+window", "--out", str(tmp_path / "b.json")]) == 0
+    results = json.loads((tmp_path / "a.json").read_text())["results"]
+    results |= json.loads((tmp_path / "b.json").read_text())["results"]
+    assert results["off+fp32"]["reference"] and results["off"]["err_over_stock_bf16"] == 1.0
+    assert results["packed+fp32"]["update_rel_err"] < 1e-5
+    assert 1e-4 < results["off"]["update_rel_err"] < 0.1
+    for mode in ("packed+window", "dfs+window"):
+        assert results[mode]["within_bf16_rule"] and results[mode]["update_rel_err"] > 1e-4, results[mode]
+
+
 def test_committed_dfs_results_render_with_their_calls():
     """The committed walk results re-render (``bench.report``), each dfs row with its model calls as
     the current planner counts them for that forest and model shape."""

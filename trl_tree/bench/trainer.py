@@ -13,7 +13,8 @@ the steps after the first, and the speed-up over stock.
 adapter needs ``--lora``) on the same rollouts; what is timed is the policy+critic step (the
 rollout's no-grad passes — old values, GAE — are part of generation, as GRPO's old log-probs are),
 and "stock" is the same trainer with ``tree_mode="off"``. ``--workload W4``: the suite's agentic
-tree (a 4.8k system prompt, 12 trajectories branching at tool calls) as rollouts of one prompt;
+tree (a 4.8k system prompt, 12 trajectories branching at tool calls) per prompt, every prompt's
+tree sharing the system prompt only (one agent on many tasks);
 ``--lora``: a rank-16 LoRA on every linear layer of the policy. ``--per-device 2 --accumulation 8``
 with ``--modes off,packed+micro,packed+window``: a group cut over small micro-batches, the trees
 per micro-batch against per accumulation window (``tree_window``).
@@ -21,11 +22,18 @@ per micro-batch against per accumulation window (``tree_window``).
 Several GPUs (DDP): ``accelerate launch --config_file examples/accelerate/multi_gpu.yaml -m
 trl_tree.bench.trainer ...`` — each process trains on its own GPU; rank 0 reports, and each mode
 records whether the ranks' parameters still agree after training (the gradients were averaged).
+
+``--update-check DIR``: exactness across processes instead of speed. One process first, with modes
+``off+fp32,off,...`` (the fp32 untreed reference, then stock TRL in bf16, the rule's yardstick),
+then the same command under ``accelerate launch`` with more processes and half the accumulation
+(the same global batch): every mode's one-step update is compared with the one-process fp32
+reference (DESIGN.md's bf16 rule: the tree's error at most 1.5x stock's).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
@@ -33,6 +41,7 @@ import zlib
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
 from ..dfs.graphs import unit_graph_stats
 from .common import add_grpo_shape_args, add_kernels_arg, dump, environment
@@ -47,6 +56,114 @@ def _tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
+
+class GradientCapture(TrainerCallback):
+    """Keeps the policy's gradient as the optimizer step sees it: after the micro-steps' accumulation
+    and the averaging over processes (DDP's or the tree's own), with clipping off."""
+
+    gradient: torch.Tensor | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad.detach().float().flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                 for p in model.parameters() if p.requires_grad]
+        self.gradient = torch.cat(grads).cpu()
+
+
+def compare_update(directory: str, mode: str, gradient: torch.Tensor, accelerator) -> dict:
+    """One mode's update against the fp32 untreed one-process reference kept in ``directory``.
+
+    The one-process launch's ``off+fp32`` writes the reference; its ``off`` (stock TRL in bf16) adds
+    stock's own error, the yardstick of DESIGN.md's bf16 rule: a tree's error may be at most 1.5x it.
+    Every launch also reports whether its processes hold the same gradient (they were averaged)."""
+    path = os.path.join(directory, "reference.pt")
+    processes = accelerator.num_processes
+    result: dict = {"processes": processes}
+    if processes > 1:  # averaged over ranks: every rank holds the same gradient
+        from accelerate.utils import gather_object
+
+        norms = gather_object([float(gradient.double().norm())])
+        result["ranks_agree"] = len(set(norms)) == 1
+    if not accelerator.is_main_process:
+        return result
+    if mode == "off+fp32" and processes == 1 and not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"gradient": gradient, "stock_bf16_rel_err": None}, path)
+        return result | {"reference": True}
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--update-check: no reference in {directory}; run one process with modes "
+                                "beginning off+fp32 first")
+    reference = torch.load(path)
+    ref = reference["gradient"].double()
+    if ref.numel() != gradient.numel():
+        raise ValueError(f"--update-check: the reference in {directory} has {ref.numel()} gradient entries, this "
+                         f"model {gradient.numel()}: it was written for another --size")
+    error = float((gradient.double() - ref).norm() / ref.norm())
+    result["update_rel_err"] = error
+    if mode == "off" and processes == 1:
+        reference["stock_bf16_rel_err"] = error
+        torch.save(reference, path)
+    stock = reference["stock_bf16_rel_err"]
+    if stock is not None and "+fp32" not in mode:
+        result |= {"err_over_stock_bf16": round(error / stock, 3), "within_bf16_rule": error <= 1.5 * stock}
+    return result
+
+
+class BenchRollouts:
+    """A ``rollout_func`` of random rollouts (no generation) whose every row is a function of its
+    prompt and its place in its group alone.
+
+    So the same global batch gets the same tokens on one process or several (the update check
+    compares them), a group cut over processes shares its prompt's tokens, and no two processes
+    draw the same completions (with one seed per process they did: trees placed over ranks then
+    shared tokens across ranks, a T/U no real run has). TRL lays each group's rows out contiguously
+    and the processes' rows process-major, which gives a row's place in its group.
+
+    ``agentic``: the suite's W4 tree per prompt: a 4.8k system prompt shared by every prompt (one
+    agent, many tasks) and each task's own turns branching at tool calls; a group's i-th row is
+    its tree's i-th trajectory.
+    """
+
+    def __init__(self, vocab: int, prompt: int, completion: int, group: int, free_lengths: bool,
+                 agentic: bool = False):
+        self.vocab, self.prompt, self.completion, self.group = vocab, prompt, completion, group
+        self.free_lengths, self.agentic = free_lengths, agentic
+        self._trees: dict[int, list[list[int]]] = {}
+        if agentic:
+            from .workloads import agentic_tree
+
+            paths = agentic_tree(vocab)
+            self.system = 4800
+            self.group, self.prompt = len(paths), self.system
+            self.completion = max(len(p) for p in paths) - self.system
+
+    def row(self, prompt: str, place: int) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) of the ``place``-th row of ``prompt``'s group; ids ≥ 2 (0 is
+        the pad token and 1 the EOS, which would end TRL's completion mask early)."""
+        key = zlib.crc32(prompt.encode())
+        if self.agentic:
+            if key not in self._trees:
+                from .workloads import agentic_tree
+
+                self._trees[key] = [[t if t > 1 else t + 2 for t in path]
+                                    for path in agentic_tree(self.vocab, seed=key, system_seed=0)]
+            path = self._trees[key][place % self.group]
+            return path[: self.system], path[self.system :]
+        ids = np.random.default_rng(key).integers(2, self.vocab, self.prompt).tolist()
+        rng = np.random.default_rng([key, place])
+        n = int(rng.integers(self.completion // 2, self.completion + 1)) if self.free_lengths else self.completion
+        return ids, rng.integers(2, self.vocab, n).tolist()
+
+    def __call__(self, prompts: list[str], trainer) -> dict[str, list]:
+        offset = trainer.accelerator.process_index * len(prompts)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for i, prompt in enumerate(prompts):
+            ids, completion = self.row(prompt, (offset + i) % self.group)
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append([0.0] * len(completion))
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,65 +188,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="group", choices=("group", "W4"),
                         help="group: --group completions of one --prompt; W4: the suite's agentic tree")
     parser.add_argument("--lora", action="store_true", help="train a rank-16 LoRA on all linear layers")
+    parser.add_argument("--update-check", metavar="DIR", default=None,
+                        help="exactness instead of speed: fp32 master weights under bf16 autocast, one optimizer step; "
+                             "each mode's averaged gradient is compared with the fp32 untreed one-process reference "
+                             "in DIR (written by a one-process launch whose modes begin with off+fp32, the mode "
+                             "flag +fp32 turning bf16 off), and its error with stock's bf16 error there (DESIGN.md: "
+                             "at most 1.5x)")
+    parser.add_argument("--ddp-backend", default=None,
+                        help="torch.distributed backend (TrainingArguments.ddp_backend); gloo lets several "
+                             "processes share one GPU (LOCAL_RANK=0 in each) where only one is at hand")
     parser.add_argument("--out", default=None)
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     if args.algo == "ppo" and args.critic == "adapter" and not args.lora:
         parser.error("--critic adapter trains a second LoRA adapter: add --lora")
+    if args.update_check and args.algo == "ppo":
+        parser.error("--update-check compares GRPO updates: PPO normalises its loss per micro-batch, so its update "
+                     "depends on how the rows fall into micro-batches, which differs between process counts")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from ..tiny import shaped_config
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
-    from .workloads import agentic_tree
 
     config = shaped_config(args.size)
     tok = _tokenizer(config.vocab_size)
-    # every process draws its own rollouts: with one seed, the ranks' prompts and completions would be the
-    # same tokens, and trees placed over ranks would share them across ranks (a T/U no real run has)
-    rng = np.random.default_rng([0, int(os.environ.get("RANK", 0))] if "RANK" in os.environ else 0)
+    rollout = BenchRollouts(config.vocab_size, args.prompt, args.completion, args.group, args.free_lengths,
+                            agentic=args.workload == "W4")
     if args.workload == "W4":
-        trajectories = agentic_tree(config.vocab_size)
-        system = 4800
-        args.group, args.prompt = len(trajectories), system
-        args.completion = max(len(t) for t in trajectories) - system
-
-    def rollout(prompts, trainer):
-        """One random prompt per distinct prompt string, random completions (no generation); W4: the
-        agentic tree's trajectories, the system prompt as prompt, each group's i-th row the i-th leaf."""
-        cache: dict[str, list[int]] = {}
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        if args.workload == "W4":
-            for i, _ in enumerate(prompts):
-                path = trajectories[i % len(trajectories)]
-                out["prompt_ids"].append(path[:system])
-                out["completion_ids"].append(path[system:])
-                out["logprobs"].append([0.0] * (len(path) - system))
-            return out
-        for p in prompts:
-            ids = cache.setdefault(p, rng.integers(2, config.vocab_size, args.prompt).tolist())
-            out["prompt_ids"].append(ids)
-            n = int(rng.integers(args.completion // 2, args.completion + 1)) if args.free_lengths else args.completion
-            out["completion_ids"].append(rng.integers(2, config.vocab_size, n).tolist())
-            out["logprobs"].append([0.0] * n)
-        return out
+        args.group, args.prompt, args.completion = rollout.group, rollout.prompt, rollout.completion
 
     def reward(completions, **kwargs):
         return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
 
     results = {}
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # accelerate launch: one GPU per process
-    torch.cuda.set_device(device)
+    cuda = torch.cuda.is_available()  # the CPU runs it too, slowly (the update check's test, on a tiny shape)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:  # accelerate launch: one GPU per process
+        torch.cuda.set_device(device)
     for run in args.modes.split(","):
         # a mode named twice runs twice (its later results under "MODE#2", ...)
         mode = run if run not in results else f"{run}#{sum(1 for k in results if k.partition('#')[0] == run) + 1}"
         torch.manual_seed(0)
         with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+            # a copy: the trainer aligns the model's config with the tokenizer (pad_token_id = 0), and a
+            # later mode built from the same object would initialise the pad row of the embedding as zeros
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32 if args.update_check else
+                                                     torch.bfloat16, attn_implementation="sdpa")
         config_cls, trainer_cls = (TreePPOConfig, TreePPOTrainer) if args.algo == "ppo" else \
             (TreeGRPOConfig, TreeGRPOTrainer)
-        ppo = dict(critic=args.critic, kl_coef=0.0) if args.algo == "ppo" else {}
+        ppo = {"critic": args.critic, "kl_coef": 0.0} if args.algo == "ppo" else {}
         extra = {}
         if args.lora:
             from peft import LoraConfig
@@ -140,24 +249,39 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_cls(
             output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,
             tree_attn_backend=backend or "auto",
-            tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags, max_steps=args.steps,
+            tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
+            max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
+            ddp_backend=args.ddp_backend,
             per_device_train_batch_size=args.per_device or args.group,
             gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
-            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled", bf16=True,
+            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled",
+            bf16="+fp32" not in flags,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
         trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
                               rollout_func=rollout, **extra)
-        torch.cuda.reset_peak_memory_stats()
+        capture = GradientCapture()
+        if args.update_check:
+            trainer.add_callback(capture)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         trainer.train()
+        if args.update_check:
+            results[mode] = compare_update(args.update_check, mode, capture.gradient, trainer.accelerator)
+            if trainer.accelerator.is_main_process:
+                print(mode, results[mode], flush=True)
+            del trainer, model, capture
+            if cuda:
+                torch.cuda.empty_cache()
+            continue
         logs = [h for h in trainer.state.log_history if "tree/fwd_bwd_time" in h]
         times = [h["tree/fwd_bwd_time"] for h in logs][1:]
         results[mode] = {"fwd_bwd_ms": round(statistics.median(times) * 1e3, 1), "steps_timed": len(times),
                          # graphs captured along the run (free lengths: a bucket at its second sighting) cost
                          # the early steps; the later half shows the step once they are made
                          "fwd_bwd_ms_later_half": round(statistics.median(times[len(times) // 2 :]) * 1e3, 1),
-                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                          "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
         stats = unit_graph_stats(trainer.accelerator.unwrap_model(trainer.model))
         if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
@@ -178,11 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.accelerator.is_main_process:
             print(mode, results[mode], flush=True)
         del trainer, model
-        torch.cuda.empty_cache()
-    if "off" in results:
+        if cuda:
+            torch.cuda.empty_cache()
+    if "off" in results and not args.update_check:
         for mode, r in results.items():
             r["speedup_over_stock"] = round(results["off"]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
-    if int(os.environ.get("RANK", 0)) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {

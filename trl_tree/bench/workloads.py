@@ -30,14 +30,17 @@ class Workload:
 
 
 def agentic_tree(vocab: int, system: int = 4800, turns=((60, 1), (60, 2), (150, 1), (200, 2), (60, 3)),
-                 seed: int = 0) -> list[list[int]]:
+                 seed: int = 0, system_seed: int | None = None) -> list[list[int]]:
     """Trajectories sharing a system prompt; each turn (assistant message + tool call + tool
     result) of ``length`` tokens branches ``branch`` ways at the preceding tool call.
 
     The default gives 12 trajectories of 5,330 tokens, T = 63,960, U = 6,800, T/U = 9.41.
+    ``system_seed``: draw the system prompt from its own seed, so that trees of different ``seed``
+    (agents on different tasks) share the system prompt and nothing after it.
     """
     rng = np.random.default_rng(seed)
-    paths = [rng.integers(0, vocab, system).tolist()]
+    system_rng = rng if system_seed is None else np.random.default_rng(system_seed)
+    paths = [system_rng.integers(0, vocab, system).tolist()]
     for length, branch in turns:
         paths = [p + rng.integers(0, vocab, length).tolist() for p in paths for _ in range(branch)]
     return paths
