@@ -273,3 +273,37 @@ def test_load_balancing_weights_are_multiplicities():
     twice.collect([z], torch.tensor([2, 1, 1]))
     expected = load_balancing_loss_func((torch.cat([z[:1], z]),), 4, 2, None)
     torch.testing.assert_close(twice.loss(), expected)
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_fp32_weights_under_autocast(mode, monkeypatch):
+    """Mixed precision (fp32 weights, ``bf16=True``): the attention runs in the autocast dtype, as the
+    model's own SDPA does under autocast, the backend is chosen for it, and the tree keeps DESIGN.md's
+    bf16 rule against the fp32 reference (its error at most 1.5x the untreed autocast forward's)."""
+    from trl_tree.dfs import stack
+    from trl_tree.model_parts import model_parts
+
+    seen = set()
+
+    def spy(original):
+        def attention(q, k, v, *args, **kwargs):
+            seen.add((q.dtype, k.dtype, v.dtype))
+            return original(q, k, v, *args, **kwargs)
+        return attention
+
+    monkeypatch.setattr(backends, "masked_attention", spy(backends.masked_attention))
+    monkeypatch.setattr(stack, "masked_attention", spy(stack.masked_attention))
+    torch.manual_seed(0)
+    model = tiny_model("qwen2")
+    seqs = random_tree(6, model.config.vocab_size, seed=3)
+    reference = untreed_logprobs(model, seqs)
+    parts = model_parts(model)
+    assert parts.compute_dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert parts.compute_dtype == torch.bfloat16
+        untreed = untreed_logprobs(model, seqs)
+        tree = tree_logprobs(model, seqs, mode=mode)
+    assert seen == {(torch.bfloat16,) * 3}  # the projections' dtype, though RoPE promotes q and k to fp32
+    error = max((a.float() - r).abs().max().item() for a, r in zip(tree, reference))
+    stock = max((a.float() - r).abs().max().item() for a, r in zip(untreed, reference))
+    assert 0 < error <= 1.5 * stock, (error, stock)

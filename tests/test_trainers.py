@@ -309,7 +309,8 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
                                   "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", "tree_window": "auto",
                                   "tree_shuffle": "groups", "per_device_train_batch_size": 4,
-                                  "gradient_accumulation_steps": 1, "steps_per_generation": 1, **fields})
+                                  "gradient_accumulation_steps": 1, "steps_per_generation": 1, "bf16": False,
+                                  "fp16": False, **fields})
         fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
         fake.args, fake.model, fake.num_generations = args, tiny_model(), 4
         plugin = SimpleNamespace(zero_stage=zero) if wrapper == "DEEPSPEED" else None

@@ -35,8 +35,8 @@ class ModelParts:
     final_logit_softcapping: float | None
     logit_scale: float
     head_dim: int
-    #: the dtype the layers compute in (``_layer_dtype``)
-    compute_dtype: torch.dtype = torch.float32
+    #: the dtype of the layers' weights (``_layer_dtype``); ``compute_dtype`` is what they compute in
+    weight_dtype: torch.dtype = torch.float32
     #: a learned table of absolute positions (GPT-2's ``wpe``): depths past it cannot be computed
     absolute_positions: bool = False
     #: rotary modules whose frequencies follow the call's length (dynamic NTK, LongRoPE)
@@ -54,6 +54,16 @@ class ModelParts:
     value_head: torch.nn.Module | None = None
     #: whether the LM head scores log-probs (False: a value-only call, ``value_model_parts``)
     scores_logps: bool = True
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layers' attention runs in: under autocast (fp32 weights with ``bf16=True``,
+        mixed precision) the autocast dtype, as it is for the model's own SDPA; read at each call, so
+        a backend is chosen (and K/V are kept) for the precision the call runs in."""
+        device_type = self.device.type
+        if self.weight_dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.weight_dtype
 
     @property
     def device(self) -> torch.device:
@@ -148,7 +158,7 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         )
     vocab = causal_lm.get_input_embeddings().num_embeddings
     return ModelParts(
-        compute_dtype=_layer_dtype(backbone, causal_lm.get_input_embeddings(), lm_head),
+        weight_dtype=_layer_dtype(backbone, causal_lm.get_input_embeddings(), lm_head),
         absolute_positions=_has_absolute_positions(backbone, causal_lm.get_input_embeddings()),
         length_dependent_rope=_length_dependent_rope(backbone),
         outer=model,

@@ -76,6 +76,12 @@ def tree_attention_forward(
         raise ValueError(f"{type(module).__name__}: {why}")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # fp32 weights under autocast: the projections come out in the autocast dtype, RoPE's fp32 tables
+        # promote the queries and keys back; the model's SDPA is cast by autocast, the backends are not
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     window = sliding_window if sliding_window is not None and sliding_window < meta.max_depth else None
     meta.calls += 1
     out = meta.attend(module, query, key, value, scaling, window=window, softcap=softcap, sinks=s_aux)

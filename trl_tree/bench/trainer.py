@@ -58,6 +58,13 @@ def _tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
 
 
+#: what ``--update-check`` runs and compares (recorded with its results)
+PRECISION_CHECKED = "fp32 weights under bf16 autocast (mixed precision; +fp32 modes: fp32 throughout)"
+UPDATE_CHECKED = ("one optimizer step, no clipping; update_rel_err = ||g - g_ref|| / ||g_ref|| over all parameters, "
+                  "g the gradient the optimizer step sees (averaged over micro-steps and processes), g_ref the fp32 "
+                  "untreed gradient of one process on the same global batch; within_bf16_rule: at most 1.5x stock "
+                  "TRL's bf16 error on one process (DESIGN.md)")
+
 
 class GradientCapture(TrainerCallback):
     """Keeps the policy's gradient as the optimizer step sees it: after the micro-steps' accumulation
@@ -311,8 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL default)"
+        "model": f"Qwen2.5-{args.size}-shaped (random init), "
+                 f"{PRECISION_CHECKED if args.update_check else 'bf16'}, gradient checkpointing (TRL default)"
                  f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
+        **({"update_check": UPDATE_CHECKED} if args.update_check else {}),
+        **({"ddp_backend": args.ddp_backend} if args.ddp_backend else {}),
         "algo": args.algo, **({"critic": args.critic} if args.algo == "ppo" else {}), "shape": args.workload,
         "group": args.group, "prompt": args.prompt, "completion": args.completion,
         "per_device_train_batch_size": args.per_device or args.group, "gradient_accumulation_steps": args.accumulation,

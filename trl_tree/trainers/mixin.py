@@ -85,8 +85,10 @@ class TreeTrainerMixin:
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
         self._refuse_dropout(self.model, "the model")
-        why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, parts.compute_dtype,
-                                args.tree_mode)
+        compute_dtype = parts.compute_dtype
+        if compute_dtype == torch.float32 and (args.bf16 or args.fp16):  # mixed precision: steps run under autocast
+            compute_dtype = torch.bfloat16 if args.bf16 else torch.float16
+        why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, compute_dtype, args.tree_mode)
         if why is not None:
             raise ValueError(f"{name}: {why}")
         if parts.absolute_positions:
