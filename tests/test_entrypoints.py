@@ -67,7 +67,7 @@ def test_agentic_tools_example_branches_at_tool_calls(monkeypatch, capsys, tmp_p
     with pytest.raises(KeyError, match="no key"):
         env.lookup("epsilon")
 
-    monkeypatch.setattr(sys, "argv", ["agentic_tools_tree.py", "--steps", "1", "--warm-start-steps", "10",
+    monkeypatch.setattr(sys, "argv", ["agentic_tools_tree.py", "--steps", "1", "--warm-start-steps", "4",
                                       "--num-generations", "4"])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     runpy.run_path("examples/agentic_tools_tree.py", run_name="__main__")
