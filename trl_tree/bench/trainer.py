@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_check and args.algo == "ppo":
         parser.error("--update-check compares GRPO updates: PPO normalises its loss per micro-batch, so its update "
                      "depends on how the rows fall into micro-batches, which differs between process counts")
+    if args.update_check and not os.path.exists(os.path.join(args.update_check, "reference.pt")) and not (
+            args.modes.startswith("off+fp32") and int(os.environ.get("WORLD_SIZE", "1")) == 1):
+        raise FileNotFoundError(f"--update-check: no reference in {args.update_check}; run one process with modes "
+                                "beginning off+fp32 first")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
