@@ -61,8 +61,14 @@ class ModelParts:
         mixed precision) the autocast dtype, as it is for the model's own SDPA; read at each call, so
         a backend is chosen (and K/V are kept) for the precision the call runs in."""
         device_type = self.device.type
-        if self.weight_dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
+        return self.compute_dtype_under(torch.get_autocast_dtype(device_type)
+                                        if torch.is_autocast_enabled(device_type) else None)
+
+    def compute_dtype_under(self, autocast_dtype: torch.dtype | None) -> torch.dtype:
+        """The layers' compute dtype under autocast to ``autocast_dtype`` (None: no autocast): fp32
+        weights compute in it, lower-precision weights in their own dtype."""
+        if self.weight_dtype == torch.float32 and autocast_dtype is not None:
+            return autocast_dtype
         return self.weight_dtype
 
     @property

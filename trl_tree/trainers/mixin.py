@@ -85,9 +85,8 @@ class TreeTrainerMixin:
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
         self._refuse_dropout(self.model, "the model")
-        compute_dtype = parts.compute_dtype
-        if compute_dtype == torch.float32 and (args.bf16 or args.fp16):  # mixed precision: steps run under autocast
-            compute_dtype = torch.bfloat16 if args.bf16 else torch.float16
+        # the precision the steps run in: bf16/fp16 mixed precision runs them under autocast
+        compute_dtype = parts.compute_dtype_under(torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None)
         why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, compute_dtype, args.tree_mode)
         if why is not None:
             raise ValueError(f"{name}: {why}")
