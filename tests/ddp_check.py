@@ -122,41 +122,53 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
     """Trees placed over ranks (``tree_window``): 6 rows per optimizer step and process over two
     micro-steps, groups of 4, so with 2 processes a group straddles them; the same global batch
     (12 rows) on 1 process. Writes each run's trained parameters and its tree metrics."""
+    for algo, critic, mode, window in runs:
+        train_window_run(checkpoint, out_dir, algo, critic, mode, window)
+
+
+def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | None, mode: str, window: str,
+                     tag: str = "", dtype: torch.dtype = torch.float64, **extra) -> str:
+    """One run of :func:`main_windows` (``extra``: more config fields, ``tag``: added to its name);
+    returns the run's name. Saved: the full parameters (gathered under FSDP2), the tree metrics, the
+    distributed type and whether the parameters were sharded."""
     from transformers import PreTrainedTokenizerFast
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    for algo, critic, mode, window in runs:
-        run = "-".join(x for x in (algo, critic, mode, window) if x)
-        common = dict(output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_window=window,
-                      per_device_train_batch_size=6 // processes, num_generations=4, max_completion_length=COMPLETION,
-                      learning_rate=0.05, optim="sgd", max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
-                      use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
-                      logging_steps=1, model_init_kwargs={"dtype": torch.float64})
-        if algo == "grpo":
-            args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
-            cls = TreeGRPOTrainer
-        else:
-            args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
-            cls = TreePPOTrainer
-        torch.manual_seed(0)
-        trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
-                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                      processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
-        trainer.train()
-        assert trainer.accelerator.num_processes == processes
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                  for n, p in trainer.model.named_parameters() if p.requires_grad}
-        if algo == "ppo":
-            params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
-        metrics = {}
-        for entry in trainer.state.log_history:  # this process's own logs
-            for k, v in entry.items():
-                if k.startswith("tree/"):
-                    metrics.setdefault(k, []).append(float(v))
-        torch.save({"params": params, "metrics": metrics,
-                    "distributed_type": trainer.accelerator.distributed_type.value,
-                    "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())},
-                   os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))
+    run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
+    common = dict(output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_window=window,
+                  per_device_train_batch_size=6 // processes, num_generations=4, max_completion_length=COMPLETION,
+                  learning_rate=0.05, optim="sgd", max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
+                  use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+                  logging_steps=1, model_init_kwargs={"dtype": dtype})
+    common.update(extra)
+    # TrainingArguments take the launcher's mixed precision (ACCELERATE_MIXED_PRECISION) unless bf16=True
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if common["bf16"] else "no"
+    if algo == "grpo":
+        args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
+        cls = TreeGRPOTrainer
+    else:
+        args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
+        cls = TreePPOTrainer
+    torch.manual_seed(0)
+    trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
+                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                  processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+    trainer.train()
+    assert trainer.accelerator.num_processes == processes
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if algo == "ppo":
+        params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
+    metrics = {}
+    for entry in trainer.state.log_history:  # this process's own logs
+        for k, v in entry.items():
+            if k.startswith("tree/"):
+                metrics.setdefault(k, []).append(float(v))
+    torch.save({"params": params, "metrics": metrics,
+                "distributed_type": trainer.accelerator.distributed_type.value,
+                "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())},
+               os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))
+    return run
 
 
 if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)

@@ -1,11 +1,20 @@
 """Run under ``torchrun --nproc_per_node 2`` (tests/test_fsdp.py does): the engine's own backward on
-an FSDP2 (``fully_shard``) model over gloo, through ``trl_tree.fsdp``.
+an FSDP2 (``fully_shard``) model over gloo, through ``trl_tree.fsdp``, under the mixed-precision
+policies Accelerate sets.
 
 Each rank runs its own forest (packed in one call, packed cut into calls by a token budget, and
 the depth-first walk in chunks — many forward/backward calls), accumulates two micro-steps, then
 reduces once; the test compares the sharded gradients with the average of the two ranks'
 gradients on an unsharded copy, and counts FSDP2's collectives: one all-gather per parameter group
 per micro-step and one reduce-scatter per group per optimizer step, however many calls ran.
+
+Policies (``POLICIES``): none (float64 throughout); float32 parameters over float64 storage with a
+float64 reduction and forward-input casting (every mechanism of a mixed-precision policy, checked
+at fp32 tolerances); Accelerate's ``mixed_precision: bf16`` (bf16 parameters, fp32 reduction,
+inputs cast) and the same with input casting off, checked by the bf16 rule against the untreed
+per-sequence forward under the same policy. Forward-input casting rebuilds every dataclass it
+meets in a call's arguments — the tree's metadata among them — which is what broke the trainers
+under Accelerate's FSDP2.
 """
 
 import os
@@ -14,10 +23,51 @@ import sys
 import torch
 import torch.distributed as dist
 
+#: name -> (storage dtype, MixedPrecisionPolicy kwargs or None)
+POLICIES = {
+    "none": (torch.float64, None),
+    "fp32-params": (torch.float64, {"param_dtype": torch.float32, "reduce_dtype": torch.float64}),
+    "bf16": (torch.float32, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+    "bf16-no-cast": (torch.float32, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
+                                     "cast_forward_inputs": False}),
+}
+
+
+def _token_loss(lp, seq_idx, pos, **_):
+    return lp * (1.0 + 0.1 * seq_idx)
+
+
+def _untreed_backward(model, seqs, score_from: int) -> None:
+    """The per-sequence reference: each sequence through the model's own forward, the same loss."""
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0][score_from - 1:]
+        _token_loss(lp, torch.full_like(lp, i), None).sum().backward()
+
+
+def _errors(model, expected: dict) -> dict:
+    return {name: ((p.grad.full_tensor().double() - expected[name]).norm()
+                   / expected[name].norm().clamp(min=1e-30)).item() for name, p in model.named_parameters()}
+
+
+def _sharded(policy, mesh, state):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trl_tree.tiny import tiny_model
+
+    dtype, mp = POLICIES[policy]
+    model = tiny_model().to(dtype)
+    model.load_state_dict(state)
+    kwargs = {} if mp is None else {"mp_policy": MixedPrecisionPolicy(**mp)}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, **kwargs)  # as Accelerate's fsdp_reshard_after_forward
+    return model
+
 
 def main(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from trl_tree import PrefixForest, tree_backward, tree_logprobs
     from trl_tree.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
@@ -26,13 +76,8 @@ def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
     reference = tiny_model().double()
-    model = tiny_model().double()
-    model.load_state_dict(reference.state_dict())
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # as Accelerate's fsdp_reshard_after_forward
-    groups = len(fsdp_modules(model))
     counts = {"all_gather": 0, "reduce_scatter": 0}
     # FSDP2's collectives (torch.distributed.fsdp._fully_shard._fsdp_collectives call them through
     # ``torch.distributed``); gloo has no reduce-scatter, where FSDP2 reduces with all_reduce
@@ -46,52 +91,60 @@ def main(out_path: str) -> None:
 
         setattr(dist, name, counted)
     generator = torch.Generator().manual_seed(0)
-    data = [[[torch.randint(2, 90, (int(n),), generator=generator).tolist() for n in torch.randint(4, 12, (4,),
+    data = [[[torch.randint(2, 90, (int(n),), generator=generator).tolist() for n in torch.randint(8, 16, (4,),
               generator=generator)] for _ in range(2)] for _ in range(world)]  # [rank][micro-step] sequences
     for seqs in (s for r in data for s in r):
         for s in seqs[1:]:
-            s[:3] = seqs[0][:3]  # a shared prefix: a tree, not a list
-    results = {}
-    for run, kwargs in (("packed", {"mode": "packed"}), ("dfs", {"mode": "dfs", "chunk_size": 3})):
-        model.zero_grad(set_to_none=True)
+            s[:5] = seqs[0][:5]  # a shared prefix: a tree, not a list
+    # the fp64 reference gradients: the average over ranks of both micro-steps, and of micro-step 0 alone
+    expected = {}
+    for key, micros in (("two", (0, 1)), ("one", (0,))):
         reference.zero_grad(set_to_none=True)
-        for key in counts:
-            counts[key] = 0
-
-        def token_loss(lp, seq_idx, pos, **_):
-            return lp * (1.0 + 0.1 * seq_idx)
-
-        for micro in range(2):
-            with gathered(model):
-                tree_backward(model, PrefixForest.from_sequences(data[rank][micro]), token_loss, score_from=2,
-                              **kwargs)
-        gathers = counts["all_gather"]
-        reduce_gradients(model, torch.device("cpu"))
         for r in range(world):
+            for micro in micros:
+                tree_backward(reference, PrefixForest.from_sequences(data[r][micro]), _token_loss, score_from=2)
+        expected[key] = {n: q.grad / world for n, q in reference.named_parameters()}
+    results = {}
+    for policy in POLICIES:
+        model = _sharded(policy, mesh, reference.state_dict())
+        groups = len(fsdp_modules(model))
+        # (mode, calls per micro-step): a token budget cuts a micro-batch's rows into calls, as the trainers do
+        runs = (("packed", "packed", 1), ("budget", "packed", 2), ("dfs", "dfs", 1))
+        for run, mode, calls in runs:
+            model.zero_grad(set_to_none=True)
+            for key in counts:
+                counts[key] = 0
             for micro in range(2):
-                tree_backward(reference, PrefixForest.from_sequences(data[r][micro]), token_loss, score_from=2,
-                              **kwargs)
-        errors = {}
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            full = p.grad.full_tensor()
-            expected = q.grad / world
-            errors[name] = ((full - expected).norm() / expected.norm().clamp(min=1e-30)).item()
-        results[run] = {"errors": errors, "gathers": gathers, "reduce_scatters": counts["reduce_scatter"],
-                        "groups": groups, "sharded": type(model.lm_head.weight).__name__}
-    # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept
-    # unsharded from the forward to the LM head's scoring, FSDP2 reducing in its backward
-    model.zero_grad(set_to_none=True)
-    reference.zero_grad(set_to_none=True)
-    with root_unsharded(model, reshard_after=False):
-        logps = tree_logprobs(model, PrefixForest.from_sequences(data[rank][0]), score_from=2)
-    torch.cat(logps).sum().backward()
-    for r in range(world):
-        torch.cat(tree_logprobs(reference, PrefixForest.from_sequences(data[r][0]), score_from=2)).sum().backward()
-    errors = {}
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        expected = q.grad / world
-        errors[name] = ((p.grad.full_tensor() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
-    results["one-pass"] = {"errors": errors, "sharded_after": type(model.lm_head.weight).__name__}
+                seqs = data[rank][micro]
+                step = -(-len(seqs) // calls)
+                with gathered(model):
+                    for start in range(0, len(seqs), step):
+                        def token_loss(lp, seq_idx, pos, _start=start, **_):
+                            return _token_loss(lp, seq_idx + _start, pos)
+
+                        tree_backward(model, PrefixForest.from_sequences(seqs[start:start + step]), token_loss,
+                                      score_from=2, mode=mode, chunk_size=3 if mode == "dfs" else None)
+            gathers = counts["all_gather"]
+            reduce_gradients(model, torch.device("cpu"))
+            results[(policy, run)] = {"errors": _errors(model, expected["two"]), "gathers": gathers,
+                                      "reduce_scatters": counts["reduce_scatter"], "groups": groups,
+                                      "sharded": type(model.lm_head.weight).__name__}
+        # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept
+        # unsharded from the forward to the LM head's scoring, FSDP2 reducing in its backward
+        model.zero_grad(set_to_none=True)
+        with root_unsharded(model, reshard_after=False):
+            logps = tree_logprobs(model, PrefixForest.from_sequences(data[rank][0]), score_from=2)
+        sum(_token_loss(lp, torch.full_like(lp, i), None).sum() for i, lp in enumerate(logps)).backward()
+        results[(policy, "one-pass")] = {"errors": _errors(model, expected["one"]),
+                                         "sharded_after": type(model.lm_head.weight).__name__}
+        # the untreed per-sequence forward under the same policy, FSDP2's own backward: what the bf16 rule
+        # measures against, over both micro-steps and over the first alone
+        for key, micros in (("two", (0, 1)), ("one", (0,))):
+            model.zero_grad(set_to_none=True)
+            for micro in micros:
+                _untreed_backward(model, data[rank][micro], score_from=2)
+            results[(policy, f"untreed-{key}")] = {"errors": _errors(model, expected[key])}
+        del model
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()

@@ -192,7 +192,7 @@ def test_whitening_and_token_rewards_are_the_textbook_ones():
     for b in range(mask.shape[0]):
         counted = [t for t in range(mask.shape[1]) if mask[b, t]]
         for t in range(mask.shape[1]):
-            r = ref[b, t] - logps[b, t]
+            r = float(ref[b, t] - logps[b, t])
             want = -0.2 * (math.exp(r) - 1 - r) if mask[b, t] else 0.0
             if counted and t == counted[-1]:
                 want += float(scores[b])

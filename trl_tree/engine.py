@@ -21,7 +21,7 @@ from ._inputs import SequenceLike
 from .attention.backends import resolve_backend
 from .attention.dispatch import install
 from .attention.kept import KeptAttention
-from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
+from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata, TreeCall
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .attention.support import attention_features
 from .forest import PrefixForest, ScoringPlan
@@ -187,7 +187,7 @@ def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tens
             position_ids=meta.position_ids,
             attention_mask=placeholder_mask,
             **_call_kwargs(parts),
-            **{TREE_KWARG: meta},
+            **{TREE_KWARG: TreeCall(meta)},
         )
     _check_every_layer(parts, meta, captured)
     return captured[-1][0]
@@ -294,7 +294,7 @@ def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -
     input_ids = tokens.view(-1, length)
     meta = DenseCausalBatch(max_depth=length)
     with model_call(parts) as captured:
-        parts.outer(input_ids=input_ids, **_call_kwargs(parts), **{TREE_KWARG: meta})
+        parts.outer(input_ids=input_ids, **_call_kwargs(parts), **{TREE_KWARG: TreeCall(meta)})
     _check_every_layer(parts, meta, captured)
     hidden = captured[-1]
     return hidden.reshape(-1, hidden.shape[-1])

@@ -107,9 +107,9 @@ def _tree_call(name: str, module, query, key, value, attention_mask, meta, kwarg
 
 def _make_dispatcher(name: str) -> Callable:
     def trl_tree_attention(module, query, key, value, attention_mask, **kwargs):
-        meta = kwargs.pop(TREE_KWARG, None)
-        if meta is not None:
-            return _tree_call(name, module, query, key, value, attention_mask, meta, kwargs)
+        carried = kwargs.pop(TREE_KWARG, None)
+        if carried is not None:
+            return _tree_call(name, module, query, key, value, attention_mask, carried.meta, kwargs)
         return _original(name, module)(module, query, key, value, attention_mask, **kwargs)
 
     trl_tree_attention.__trl_tree_dispatcher__ = True  # type: ignore[attr-defined]

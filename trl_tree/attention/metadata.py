@@ -1,6 +1,6 @@
 """Tree metadata on the model's device: what the attention backends read during a forward.
 
-One object travels through ``model(..., trl_tree_attention=meta)`` to every attention call. It is
+One object travels through ``model(..., trl_tree_attention=TreeCall(meta))`` to every attention call. It is
 built once per forest and device; masks that only some backends need (a dense mask for the
 reference backends, a flex ``BlockMask``) are built lazily on first use and then reused by every
 layer and by the gradient-checkpointing recompute.
@@ -20,8 +20,28 @@ from .kept import KeptAttention
 from .partial import PARTIAL_KERNELS, dense_shape_seen
 from .root_split import RootSplit, RootSplitLayout
 
-#: keyword argument of ``model(...)`` that carries a :class:`TreeAttentionMetadata`
+#: keyword argument of ``model(...)`` that carries a :class:`TreeCall`
 TREE_KWARG = "trl_tree_attention"
+
+
+class TreeCall:
+    """The handle a forward's metadata travels in: neither a dataclass nor a container.
+
+    Why: wrappers rebuild what they recognise in a forward's arguments. FSDP2's mixed-precision
+    policy casts forward inputs through ``torch.distributed.utils._apply_to_tensors``, which copies
+    every dataclass (``dataclasses.replace``) and dict it meets, at the root and again at each
+    wrapped decoder layer; the layers then counted their calls and cached their masks on copies,
+    and the engine saw "0 of N layers". An opaque object passes through every such traversal as
+    itself, so all layers (and the checkpointed recompute) share the one metadata object.
+    """
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: Any) -> None:
+        self.meta = meta
+
+    def __repr__(self) -> str:
+        return f"TreeCall({type(self.meta).__name__})"
 
 
 #: split when per-node tiles would waste at least this share of all attention work on the rectangles

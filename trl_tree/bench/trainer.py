@@ -114,6 +114,22 @@ def compare_update(directory: str, mode: str, gradient: torch.Tensor, accelerato
     return result
 
 
+def parameter_fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """The sum of the parameters' norms, over the *full* parameters: under FSDP2 each rank holds a
+    different shard (a ``DTensor``), so its local norm says nothing about agreement; ``full_tensor``
+    gathers each parameter (a collective every rank makes, one parameter at a time)."""
+    norms = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().norm() for p in model.parameters()]
+    return torch.stack(norms).sum()
+
+
+def _distributed_type(accelerator) -> str:
+    """``DDP``, ``FSDP2``, ``FSDP1``, ``DEEPSPEED`` or ``NO``: what the JSON records for a run."""
+    kind = accelerator.distributed_type.value
+    if kind == "FSDP":
+        return "FSDP2" if getattr(accelerator, "is_fsdp2", False) else "FSDP1"
+    return {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind, kind)
+
+
 class BenchRollouts:
     """A ``rollout_func`` of random rollouts (no generation) whose every row is a function of its
     prompt and its place in its group alone.
@@ -179,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                              "+buckets tree_cuda_graph_buckets=True, +micro tree_window='micro_step' (trees per "
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
+                             "+budget=N sets tree_token_budget=N; +fp32 trains without mixed precision (the launcher's "
+                             "mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
                         help="per_device_train_batch_size (default: --group, one group per micro-step); smaller "
@@ -198,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                              "in DIR (written by a one-process launch whose modes begin with off+fp32, the mode "
                              "flag +fp32 turning bf16 off), and its error with stock's bf16 error there (DESIGN.md: "
                              "at most 1.5x)")
+    parser.add_argument("--tree-shuffle", default="groups", choices=("groups", "rows"),
+                        help="tree_shuffle of every tree mode, pinned so that a change of the trainers' default "
+                             "does not move the benchmark's figures (recorded in the JSON)")
     parser.add_argument("--ddp-backend", default=None,
                         help="torch.distributed backend (TrainingArguments.ddp_backend); gloo lets several "
                              "processes share one GPU (LOCAL_RANK=0 in each) where only one is at hand")
@@ -254,8 +275,16 @@ def main(argv: list[str] | None = None) -> int:
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
         flags, _, backend = run.partition("@")
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
+        budget = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("budget=")), None)
+        fp32 = "+fp32" in flags
+        # TrainingArguments take the launcher's mixed precision (ACCELERATE_MIXED_PRECISION) unless bf16=True:
+        # an fp32 mode under a bf16 launcher config would otherwise run in bf16
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if fp32 else "bf16"
+        settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
+                    "mixed_precision": "no" if fp32 else "bf16"}
         cfg = config_cls(
             output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,
+            tree_shuffle=args.tree_shuffle, tree_token_budget=budget,
             tree_attn_backend=backend or "auto",
             tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
             max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
@@ -263,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             per_device_train_batch_size=args.per_device or args.group,
             gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
             use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled",
-            bf16="+fp32" not in flags,
+            bf16=not fp32,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         )
         trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
@@ -275,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
+        distributed = {"distributed_type": _distributed_type(trainer.accelerator),
+                       "processes": trainer.accelerator.num_processes,
+                       "backend": trainer.accelerator.state.backend if trainer.accelerator.num_processes > 1 else None}
         if args.update_check:
-            results[mode] = compare_update(args.update_check, mode, capture.gradient, trainer.accelerator)
+            results[mode] = compare_update(args.update_check, mode, capture.gradient, trainer.accelerator) | settings \
+                | distributed
             if trainer.accelerator.is_main_process:
                 print(mode, results[mode], flush=True)
             del trainer, model, capture
@@ -290,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                          # the early steps; the later half shows the step once they are made
                          "fwd_bwd_ms_later_half": round(statistics.median(times[len(times) // 2 :]) * 1e3, 1),
                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                         "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3)}
+                         "T_over_U": round(logs[-1].get("tree/dedup_ratio", 1.0), 3), **settings, **distributed}
         stats = unit_graph_stats(trainer.accelerator.unwrap_model(trainer.model))
         if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
             results[mode]["unit_graphs"] = stats
@@ -303,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
 
             results[mode]["rank_fwd_bwd_ms"] = [round(t * 1e3, 1) for t in
                                                 gather_object([statistics.median(times)])]
-        if processes > 1:  # DDP: every rank must end with the same parameters
-            fingerprint = torch.stack([p.detach().float().norm() for p in trainer.model.parameters()]).sum()
+        if processes > 1:  # every rank must end with the same parameters (their gradients were averaged)
+            fingerprint = parameter_fingerprint(trainer.model)
             ranks = trainer.accelerator.gather(fingerprint.reshape(1))
-            results[mode] |= {"processes": processes, "ranks_agree": bool((ranks == ranks[0]).all())}
+            results[mode] |= {"ranks_agree": bool((ranks == ranks[0]).all())}
         if trainer.accelerator.is_main_process:
             print(mode, results[mode], flush=True)
         del trainer, model
