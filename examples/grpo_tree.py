@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: tiny built-in model)")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs", "off"))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
@@ -40,7 +41,7 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
-    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+    from trl_tree.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
@@ -64,12 +65,12 @@ def _train(args, workdir: str) -> None:
         model=model,
         reward_funcs=reward_letter_a,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
+        train_dataset=Dataset.from_dict({"prompt": toy_prompts(story_len=args.story_length)}),
     )
     trainer.train()
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "reward" in h]
-        print(f"reward {logs[0]['reward']:.3f} -> {logs[-1]['reward']:.3f}; "
+        print(f"{learning_line([h['reward'] for h in logs])}; "
               f"T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; processes {trainer.accelerator.num_processes}")
 
 

@@ -17,6 +17,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: tiny built-in model)")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs", "off"))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
 
@@ -32,7 +33,7 @@ def _train(args, workdir: str) -> None:
     from peft import LoraConfig
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
-    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+    from trl_tree.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreeGRPOConfig(
@@ -55,12 +56,12 @@ def _train(args, workdir: str) -> None:
         model=model,
         reward_funcs=reward_letter_a,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
+        train_dataset=Dataset.from_dict({"prompt": toy_prompts(story_len=args.story_length)}),
         peft_config=lora,
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    print(f"reward {logs[0]['reward']:.3f} -> {logs[-1]['reward']:.3f}; kl {logs[-1].get('kl', 0):.4f}; "
+    print(f"{learning_line([h['reward'] for h in logs])}; kl {logs[-1].get('kl', 0):.4f}; "
           f"T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}")
 
 

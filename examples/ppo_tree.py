@@ -24,9 +24,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: tiny built-in model)")
     parser.add_argument("--critic", default="separate", choices=("separate", "shared"))
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs", "off"))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=24)
+    parser.add_argument("--response-length", type=int, default=16)
+    parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
@@ -42,7 +43,7 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreePPOConfig, TreePPOTrainer
-    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+    from trl_tree.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
@@ -54,9 +55,7 @@ def _train(args, workdir: str) -> None:
         per_device_train_batch_size=2 * args.num_generations,
         num_generations=args.num_generations,
         response_length=args.response_length,  # TRL 1.12's name of max_completion_length
-        num_ppo_epochs=2,  # num_iterations
-        kl_coef=0.01,
-        vf_coef=0.5,
+        **TOY_PPO,  # one epoch per generation, lam=1 and a critic warm-up: why, in trl_tree/toy.py
         learning_rate=args.learning_rate,
         bf16=args.model is not None,  # the tiny model trains in fp32
         use_cpu=not torch.cuda.is_available(),
@@ -68,12 +67,12 @@ def _train(args, workdir: str) -> None:
         model=model,
         reward_funcs=reward_letter_a,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
+        train_dataset=Dataset.from_dict({"prompt": toy_prompts(story_len=args.story_length)}),
     )
     trainer.train()
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "objective/scores" in h]
-        print(f"reward {logs[0]['objective/scores']:.3f} -> {logs[-1]['objective/scores']:.3f}; explained variance "
+        print(f"{learning_line([h['objective/scores'] for h in logs])}; explained variance "
               f"{logs[0]['val/explained_variance']:.2f} -> {logs[-1]['val/explained_variance']:.2f}; "
               f"T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; processes {trainer.accelerator.num_processes}")
 

@@ -17,7 +17,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: tiny built-in model)")
     parser.add_argument("--mode", default="packed", choices=("packed", "dfs", "off"))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
 
@@ -33,7 +34,7 @@ def _train(args, workdir: str) -> None:
     from peft import LoraConfig
 
     from trl_tree import TreePPOConfig, TreePPOTrainer
-    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+    from trl_tree.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreePPOConfig(
@@ -43,9 +44,8 @@ def _train(args, workdir: str) -> None:
         max_steps=args.steps,
         per_device_train_batch_size=16,
         num_generations=8,
-        response_length=24,
-        kl_coef=0.05,  # the KL penalty in the reward, against the base with adapters disabled
-        vf_coef=0.5,
+        response_length=16,
+        **TOY_PPO,  # the KL penalty is against the base with adapters disabled; the rest: trl_tree/toy.py
         learning_rate=2e-2,
         bf16=args.model is not None,
         use_cpu=not torch.cuda.is_available(),
@@ -58,13 +58,13 @@ def _train(args, workdir: str) -> None:
         model=model,
         reward_funcs=reward_letter_a,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": toy_prompts()}),
+        train_dataset=Dataset.from_dict({"prompt": toy_prompts(story_len=args.story_length)}),
         peft_config=lora,
     )
     trainer.train()
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "objective/scores" in h]
-        print(f"reward {logs[0]['objective/scores']:.3f} -> {logs[-1]['objective/scores']:.3f}; "
+        print(f"{learning_line([h['objective/scores'] for h in logs])}; "
               f"kl {logs[-1].get('objective/kl', 0):.4f}; T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; "
               f"processes {trainer.accelerator.num_processes}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,8 +13,19 @@ LOGP_ATOL = 1e-5  # max abs difference of log-probs, fp32
 GRAD_RTOL = 1e-5  # ||g_tree - g_ref|| / ||g_ref|| per parameter, fp32
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launch's rendezvous: tests that start several
+    processes may run at the same time (pytest-xdist), and a fixed port would collide."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def pytest_configure(config):
-    torch.set_num_threads(2)
+    # two cores: two threads in one process, one in each of pytest-xdist's two workers
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     torch.use_deterministic_algorithms(False)
 
 

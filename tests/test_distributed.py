@@ -10,7 +10,10 @@ import sys
 
 import pytest
 import torch
+from conftest import free_port
 from trainer_harness import save_tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # launches of several processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +24,7 @@ def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     checkpoint = save_tiny_checkpoint(out / "tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
            os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"), os.path.join(ROOT, "tests/ddp_check.py"),
            checkpoint, str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

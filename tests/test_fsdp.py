@@ -14,8 +14,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from conftest import free_port
 from trainer_harness import save_tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # launches of several processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +34,7 @@ def test_fsdp2_walk_gathers_once_and_reduces_once_under_mixed_precision(tmp_path
     tolerances): packed, packed cut into calls, the walk and FSDP2's own one-pass backward."""
     out = tmp_path / "fsdp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "tests/fsdp_check.py"), str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -62,7 +66,7 @@ def test_trainer_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
 
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
            os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", "2",
            os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -64,13 +64,65 @@ def test_row_shuffle_reproduces_trls_micro_batches(checkpoint, loss_type):
             tree_fields={"tree_shuffle": "rows"})
 
 
-def test_group_shuffle_is_another_valid_order(checkpoint):
-    """The default keeps groups whole: with bnpo over two optimizer steps it trains on other
-    micro-batches than TRL (documented), which is what 'rows' is for."""
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+@pytest.mark.parametrize("case", [
+    dict(loss_type="bnpo", gradient_accumulation_steps=2, num_iterations=1),
+    dict(loss_type="bnpo", num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=2),
+    dict(loss_type="dapo", steps_per_generation=2, gradient_accumulation_steps=1, num_iterations=1),
+], ids=["bnpo-ga2", "bnpo-iter2-spg2-ga2", "dapo-spg2-ga1"])
+def test_default_shuffle_gives_stocks_update(checkpoint, case, mode):
+    """The configurations where the old default (regrouping) parted from stock: with the default
+    tree_shuffle='auto' each is stock's update (per-micro-batch normalisers, optimizer steps inside
+    a generation batch: auto keeps TRL's rows there)."""
+    (trainer,) = compare(checkpoint, (mode,), max_steps=2, **case)
+    assert trainer.args.tree_shuffle == "auto" and not trainer._regroups()
+
+
+def test_auto_regroups_where_it_cannot_change_the_update(checkpoint):
+    """One optimizer step per generation batch and a loss that sums over micro-batches (dapo): auto
+    keeps prompt groups whole — more sharing — and the update is still stock's. TRL's shuffle draw is
+    made all the same, so the second generation's rollouts are stock's too (compare checks them)."""
+    fields = dict(loss_type="dapo", gradient_accumulation_steps=2, num_iterations=1, max_steps=2,
+                  tree_fields={"tree_window": "micro_step"})
+    (auto,) = compare(checkpoint, ("packed",), **fields)
+    assert auto._regroups()
+    _, _, rows = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, dtype=torch.float64, tree_window="micro_step",
+                     tree_shuffle="rows", **{k: v for k, v in fields.items() if k != "tree_fields"})
+
+    def group_sizes(trainer):  # rows of each prompt in each micro-batch of the last generation batch
+        sizes = []
+        for micro in trainer._buffered_inputs:
+            counts = {}
+            for ids, mask in zip(micro["prompt_ids"], micro["prompt_mask"]):
+                key = tuple(ids[mask.bool()].tolist())
+                counts[key] = counts.get(key, 0) + 1
+            sizes.extend(counts.values())
+        return sorted(sizes)
+
+    assert group_sizes(auto) == [4, 4, 4, 4]  # num_generations=4: every group whole in one micro-batch
+    assert group_sizes(rows) != [4, 4, 4, 4]
+
+
+def test_what_stock_trains_the_default_trains(checkpoint):
+    """Two cases of TRL's own test files: steps_per_generation=4 with gradient_accumulation_steps=3
+    (windows cannot hold it: the default takes trees per micro-step), and every completion masked
+    as truncated (a zero-gradient step; the walk used to crash on a call with nothing to score)."""
+    with pytest.warns(UserWarning, match="trees per micro-step here"):
+        compare(checkpoint, ("packed", "dfs"), per_device_train_batch_size=4, steps_per_generation=4,
+                gradient_accumulation_steps=3, num_iterations=1, max_steps=2)
+    compare(checkpoint, ("packed", "dfs"), mask_truncated_completions=True, max_completion_length=1, max_steps=1)
+
+
+def test_group_shuffle_is_an_opt_in_that_says_what_it_changes(checkpoint, caplog):
+    """tree_shuffle='groups' keeps groups whole where that changes the update (bnpo over two
+    optimizer steps): it says so at construction, logs the T/U it buys, and trains on other
+    micro-batches than TRL (documented)."""
     overrides = dict(loss_type="bnpo", steps_per_generation=2, gradient_accumulation_steps=1, dtype=torch.float64)
     ref, _, _ = run(GRPOTrainer, GRPOConfig, checkpoint, **overrides)
-    updates, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, **overrides)
-    assert trainer.args.tree_shuffle == "groups"
+    with pytest.warns(UserWarning, match=r"tree_shuffle='groups'.*changes stock TRL's update.*bnpo"), \
+            caplog.at_level("WARNING", logger="trl_tree.trainers.mixin"):
+        updates, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_shuffle="groups", **overrides)
+    assert any("tree_shuffle='groups' gives micro-batches of T/U" in r.getMessage() for r in caplog.records)
     diff = torch.sqrt(sum(((updates[n] - u) ** 2).sum() for n, u in ref.items()))
     assert diff / torch.sqrt(sum((u**2).sum() for u in ref.values())) > 1e-3
     with pytest.raises(ValueError, match="tree_shuffle must be one of"):

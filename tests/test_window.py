@@ -120,13 +120,19 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def test_batch_sizes_that_split_groups_between_optimizer_steps_are_refused(checkpoint):
+def test_batch_sizes_that_split_groups_between_optimizer_steps(checkpoint):
+    """Refused under tree_window='accumulation'; under the default 'auto' the trainer takes trees per
+    micro-step there, as stock trains it, and says so (TRL's own tests use such batch sizes)."""
     with pytest.raises(ValueError, match=r"2 x 1 rows .* num_generations=4.*gradient_accumulation_steps=2"):
         run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-            steps_per_generation=4)
+            steps_per_generation=4, tree_window="accumulation")
     with pytest.raises(ValueError, match="steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"):
         run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-            steps_per_generation=3)
+            steps_per_generation=3, tree_window="accumulation")
+    with pytest.warns(UserWarning, match="not a multiple of gradient_accumulation_steps=3.*trees per micro-step here"):
+        _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=4,
+                            gradient_accumulation_steps=3, steps_per_generation=4, max_steps=1)
+    assert not trainer._windows_on()
     with pytest.warns(UserWarning, match="split between micro-steps"):
         run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=2, tree_window="micro_step",
             max_steps=1)

@@ -30,7 +30,7 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     from transformers.trainer_callback import PrinterCallback
     from transformers.utils import logging as hf_logging
 
-    from .toy import reward_letter_a, toy_prompts
+    from .toy import TOY_PPO, reward_letter_a, toy_prompts
     from .trainers import (TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, TreeRLOOConfig,
                            TreeRLOOTrainer)
 
@@ -38,7 +38,7 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     hf_logging.disable_progress_bar()
     config_cls, trainer_cls = {"ppo": (TreePPOConfig, TreePPOTrainer), "rloo": (TreeRLOOConfig, TreeRLOOTrainer)}.get(
         algo, (TreeGRPOConfig, TreeGRPOTrainer))
-    ppo = dict(critic="separate", kl_coef=0.01, vf_coef=0.5) if algo == "ppo" else {}
+    ppo = dict(critic="separate", **TOY_PPO) if algo == "ppo" else {}
     args = config_cls(
         output_dir=out_dir, tree_mode=mode, max_steps=steps, per_device_train_batch_size=2 * num_generations,
         num_generations=num_generations, max_completion_length=24, learning_rate=3e-3, beta=0.0,
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .toy import build_tiny_policy
+    from .toy import TOY_PPO, build_tiny_policy, learning_line
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     threads = args.threads or min(os.cpu_count() or 1, 8)
@@ -89,13 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl_tree demo: {name} on a toy task, tiny Qwen2-shaped policy (4 layers, fp32), tree_mode={args.mode}, "
               f"{threads} CPU thread(s)\n")
         print(f" step  reward   T/U   {what} fwd+bwd")
+        # PPO's first steps train the critic alone (TOY_PPO's critic warm-up): not timed, marked in the table
+        warmup = TOY_PPO["critic_warmup_steps"] if args.algo == "ppo" else 0
         tree_logs = train(args.mode, args.steps, checkpoint, os.path.join(tmp, "tree"), algo=args.algo)
         for i, h in enumerate(tree_logs, 1):
-            print(f"{i:5d}  {h['reward']:6.3f}  {h['tree/dedup_ratio']:5.2f}  {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
+            ratio = f"{h['tree/dedup_ratio']:5.2f}" if i > warmup else "    -"
+            print(f"{i:5d}  {h['reward']:6.3f}  {ratio}  {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms"
+                  f"{'  (critic warm-up)' if i <= warmup else ''}")
         print(f"\n{stock}, {args.stock_steps} steps for the timing:")
-        stock_logs = train("off", args.stock_steps, checkpoint, os.path.join(tmp, "stock"), algo=args.algo)
+        stock_logs = train("off", args.stock_steps + warmup, checkpoint, os.path.join(tmp, "stock"), algo=args.algo)
         for i, h in enumerate(stock_logs, 1):
-            print(f"{i:5d}  {h['reward']:6.3f}     -   {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms")
+            print(f"{i:5d}  {h['reward']:6.3f}     -   {h['tree/fwd_bwd_time'] * 1e3:8.0f} ms"
+                  f"{'  (critic warm-up)' if i <= warmup else ''}")
 
     def per_step(logs):
         """Median and range of the steps' times; the first step warms up allocators and kernels."""
@@ -103,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         times = times[1:] if len(times) > 1 else times
         return statistics.median(times), min(times), max(times), len(times)
 
-    (t_tree, lo_tree, hi_tree, n_tree), (t_stock, lo_stock, hi_stock, n_stock) = per_step(tree_logs), per_step(stock_logs)
+    timed = tree_logs[warmup:] or tree_logs
+    (t_tree, lo_tree, hi_tree, n_tree), (t_stock, lo_stock, hi_stock, n_stock) = (per_step(timed),
+                                                                                  per_step(stock_logs[warmup:]))
     print(
-        f"\nreward {tree_logs[0]['reward']:.3f} -> {tree_logs[-1]['reward']:.3f} over {len(tree_logs)} steps; "
-        f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; {what} forward+backward per step "
+        f"\n{learning_line([h['reward'] for h in tree_logs])}; "
+        f"T/U {statistics.mean(h.get('tree/dedup_ratio', 1.0) for h in timed):.2f}; {what} forward+backward per step "
         f"(median, range over steps): {'untreed' if args.algo == 'ppo' else 'stock'} {name} {t_stock:.0f} ms "
         f"({lo_stock:.0f}-{hi_stock:.0f}, {n_stock} steps), tree {name} {t_tree:.0f} ms ({lo_tree:.0f}-{hi_tree:.0f}, "
         f"{n_tree} steps) -> {t_stock / t_tree:.2f}x"

@@ -43,7 +43,7 @@ def score_predictions(
         # a backward leaves zero gradients where autograd on the untreed path leaves them too
         anchor = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0)
         empty = hidden.new_zeros(0, dtype=torch.float32) + anchor.float() * 0
-        return empty, (empty.detach() if with_entropy else None)
+        return empty, (empty.clone() if with_entropy else None)  # both connected: a backward may take either
     src = hidden.index_select(0, pred_src).to(weight.device)
     if parts.head_fp32:  # TRL's cast_lm_head_to_fp32: fp32 hidden states and head, autocast off
         with torch.autocast(src.device.type, enabled=False):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig, RLOOConfig
 
 TREE_MODES = ("packed", "dfs", "off")
-TREE_SHUFFLES = ("groups", "rows")
+TREE_SHUFFLES = ("auto", "groups", "rows")
 TREE_WINDOWS = ("auto", "accumulation", "micro_step")
 ATTN_BACKENDS = ("auto", "flash", "torch_flash", "flex", "sdpa", "eager")
 
@@ -31,13 +31,15 @@ class TreeArguments:
         },
     )
     tree_shuffle: str = field(
-        default="groups",
+        default="auto",
         metadata={
-            "help": "How a generation batch is cut into micro-batches. 'groups': the prompt groups are shuffled "
-            "and kept whole, so a micro-batch's sequences share their prompts (the tree's gain); each micro-batch "
-            "has TRL's row count. 'rows': TRL's own row shuffle, so every micro-batch (and so every per-micro-batch "
-            "normaliser and optimizer step) holds exactly the rows stock TRL gives it, at the cost of sharing. "
-            "With one micro-batch per generation batch both give TRL's update (see docs/trainers.md)."
+            "help": "How a generation batch is cut into micro-batches. 'auto' (default): stock TRL's update in every "
+            "configuration — the prompt groups are kept whole in a micro-batch only where that cannot change it "
+            "(one optimizer step per generation batch and a loss that sums over micro-batches whatever rows meet: "
+            "not 'bnpo', the entropy bonus or mask, the MoE auxiliary loss, or PPO's value loss), else TRL's own "
+            "row shuffle. 'groups' (opt-in, changes the update where 'auto' would not regroup; logged): the prompt "
+            "groups are always kept whole, for the sharing. 'rows': always TRL's own row shuffle. All three draw "
+            "TRL's random permutation, so later rollouts are stock's (see docs/trainers.md)."
         },
     )
     tree_window: str = field(

@@ -26,6 +26,21 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
     return list(keys.values())
 
 
+def stock_order(groups: list[list[int]], num_rows: int) -> list[list[int]]:
+    """The groups in the order of stock TRL's row shuffle of this generation batch.
+
+    Draws the one permutation TRL's ``shuffle_sequence_dict`` draws (``torch.randperm(num_rows)``), so
+    the global random stream — and every later rollout — stays stock's, and derives the group order
+    from it: a group goes where TRL's shuffle puts its first row, and its rows keep TRL's relative
+    order. The micro-batches are then cut from this order (``plan_windows(..., shuffle=False)``)."""
+    permutation = torch.randperm(num_rows).tolist()
+    place = [0] * num_rows
+    for position, row in enumerate(permutation):
+        place[row] = position
+    ordered = [sorted(g, key=place.__getitem__) for g in groups]
+    return sorted(ordered, key=lambda g: place[g[0]])
+
+
 def group_cost(group: list[int], prompt_len: list[int], completion_len: list[int]) -> int:
     """Unique tokens of one group's forest, up to completions' own shared prefixes."""
     return prompt_len[group[0]] + sum(completion_len[i] for i in group)
@@ -36,10 +51,12 @@ def plan_micro_batches(
     num_batches: int,
     costs: list[int] | None = None,
     generator: torch.Generator | None = None,
+    shuffle: bool = True,
 ) -> list[list[int]]:
     """Cut the rows of ``groups`` into ``num_batches`` equal-sized micro-batches, groups kept whole.
 
-    Groups are first put in random order (``torch.randperm``, so the trainer's seed governs it).
+    Groups are first put in random order (``torch.randperm``, so the trainer's seed governs it;
+    ``shuffle=False``: in the given order, e.g. :func:`stock_order`'s).
     Without ``costs`` they are laid end to end and cut into equal slices (a group is split only
     where it straddles a cut). With ``costs`` each group goes, heaviest first, to the lightest
     micro-batch that still has room for all its rows; a group that fits nowhere whole is spread
@@ -49,7 +66,7 @@ def plan_micro_batches(
     if num_batches < 1 or num_rows % num_batches:
         raise ValueError(f"{num_rows} rows cannot be cut into {num_batches} equal micro-batches")
     per_batch = num_rows // num_batches
-    order = torch.randperm(len(groups), generator=generator).tolist()
+    order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else list(range(len(groups)))
     groups = [groups[k] for k in order]
     if costs is None:
         flat = [i for g in groups for i in g]
@@ -123,7 +140,7 @@ def split_into_calls(sequences: list[list[int]], budget: int | None) -> list[lis
 
 def plan_windows(groups: list[list[int]], steps_per_generation: int, accumulation: int,
                  costs_of: Callable[[list[list[int]]], list[int]] | None = None,
-                 generator: torch.Generator | None = None) -> list[list[int]]:
+                 generator: torch.Generator | None = None, shuffle: bool = True) -> list[list[int]]:
     """``plan_micro_batches`` for several optimizer steps per generation batch: the groups, in
     random order, laid end to end and cut into ``steps_per_generation / accumulation`` windows of
     equal rows (whole groups where the window's row count is a multiple of the group size), each
@@ -131,8 +148,9 @@ def plan_windows(groups: list[list[int]], steps_per_generation: int, accumulatio
     groups (or pieces of groups) of one window, for the token budget's balancing; None: no costs."""
     windows = steps_per_generation // accumulation
     if windows <= 1 or steps_per_generation % accumulation:
-        return plan_micro_batches(groups, steps_per_generation, costs_of(groups) if costs_of else None, generator)
-    order = torch.randperm(len(groups), generator=generator).tolist()
+        return plan_micro_batches(groups, steps_per_generation, costs_of(groups) if costs_of else None, generator,
+                                  shuffle)
+    order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else list(range(len(groups)))
     laid = [(k, i) for k in order for i in groups[k]]
     per_window = len(laid) // windows
     plan: list[list[int]] = []
@@ -141,5 +159,6 @@ def plan_windows(groups: list[list[int]], steps_per_generation: int, accumulatio
         for k, i in laid[w * per_window : (w + 1) * per_window]:
             pieces.setdefault(k, []).append(i)
         window = list(pieces.values())
-        plan.extend(plan_micro_batches(window, accumulation, costs_of(window) if costs_of else None, generator))
+        plan.extend(plan_micro_batches(window, accumulation, costs_of(window) if costs_of else None, generator,
+                                       shuffle))
     return plan

@@ -17,6 +17,7 @@ Three overrides, shared by both trainers:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -33,10 +34,12 @@ from ..attention.support import attention_refusal
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from .bridge import bridge
 from .grad_sync import average_gradients
-from .grouping import group_cost, plan_windows, prompt_groups, split_into_calls, take_rows
+from .grouping import group_cost, plan_windows, prompt_groups, split_into_calls, stock_order, take_rows
 from .exchange import RankExchange
 from .rows import PaddedRows
 from .window import TreeWindow
+
+logger = logging.getLogger(__name__)
 
 MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -127,6 +130,7 @@ class TreeTrainerMixin:
                 "tree_window='micro_step' (or 'auto', which uses it there), or FSDP2 (fsdp_version: 2)"
             )
         self._check_whole_groups()
+        self._announce_shuffle()
 
     def _sharded(self) -> bool:
         """FSDP or DeepSpeed: they own the gradients' reduction, which the engine's own backward
@@ -144,7 +148,17 @@ class TreeTrainerMixin:
 
     def _windows_on(self) -> bool:
         return (self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
-                and (not self._sharded() or self._fsdp2()))
+                and (not self._sharded() or self._fsdp2()) and not getattr(self, "_tree_window_fallback", False))
+
+    def _window_misfit(self, why: str) -> None:
+        """A batch layout accumulation windows cannot hold: an error under ``tree_window='accumulation'``;
+        under ``'auto'`` the trainer takes trees per micro-step, as stock TRL trains it, and says so once."""
+        name = type(self).__name__
+        if self.args.tree_window == "accumulation":
+            raise ValueError(f"{name}: {why}")
+        self._tree_window_fallback = True
+        warnings.warn(f"{name}: {why.split('. ')[0]}; tree_window='auto' computes trees per micro-step here",
+                      stacklevel=4)
 
     def _check_whole_groups(self) -> None:
         """Refuse batch sizes with which accumulation windows cannot hold whole prompt groups; warn
@@ -156,17 +170,18 @@ class TreeTrainerMixin:
             if spg <= accumulation:
                 return  # one window per generation batch: TRL keeps it a whole number of groups
             if spg % accumulation:
-                raise ValueError(
-                    f"{name}: steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
+                self._window_misfit(
+                    f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
                     f"{accumulation}, so an accumulation window would hold micro-steps of two generation batches. Set "
                     f"steps_per_generation to a multiple of {accumulation}, or tree_window='micro_step'"
                 )
+                return
             if (per_device * accumulation) % g:
                 # TRL's group statistics need each group's rows contiguous over the processes, so a
                 # process's window (per_device x accumulation rows) must itself hold whole groups
                 step = g // math.gcd(g, per_device)
-                raise ValueError(
-                    f"{name}: with {spg // accumulation} optimizer steps per generation batch, an optimizer step takes "
+                self._window_misfit(
+                    f"with {spg // accumulation} optimizer steps per generation batch, an optimizer step takes "
                     f"per_device_train_batch_size x gradient_accumulation_steps = {per_device} x {accumulation} rows "
                     f"of each process, not a multiple of num_generations={g}: prompt groups would be split between "
                     f"optimizer steps, each piece computing its prompt. Use gradient_accumulation_steps="
@@ -174,6 +189,7 @@ class TreeTrainerMixin:
                     f"steps_per_generation={accumulation} (one optimizer step per generation batch), or set "
                     "tree_window='micro_step' to train with split groups"
                 )
+                return
             if args.tree_shuffle == "rows":
                 warnings.warn(
                     f"{name}: tree_shuffle='rows' is TRL's row shuffle over the whole generation batch, so the "
@@ -195,6 +211,76 @@ class TreeTrainerMixin:
                 "computes every group whole on one rank", stacklevel=3,
             )
 
+    def _regroups(self) -> bool:
+        """Whether a training generation batch is cut into micro-batches by whole prompt groups
+        (``tree_shuffle``) instead of TRL's own row shuffle."""
+        args = self.args
+        if args.tree_mode == "off" or args.tree_shuffle == "rows" or not self.model.training:
+            return False
+        return args.tree_shuffle == "groups" or not self._regrouping_changes()
+
+    def _regrouping_changes(self) -> list[str]:
+        """Why keeping prompt groups whole would change stock TRL's update here; [] where it cannot:
+        rows move only between the micro-steps of one optimizer step, and every loss term is a sum
+        over micro-batches that does not depend on which rows meet (TRL's micro-batches all hold the
+        same number of rows, so a per-sequence mean over each is a global mean)."""
+        args = self.args
+        reasons = []
+        if args.steps_per_generation > args.gradient_accumulation_steps:
+            reasons.append(f"steps_per_generation={args.steps_per_generation} > gradient_accumulation_steps="
+                           f"{args.gradient_accumulation_steps}: rows would move between optimizer steps")
+        if args.steps_per_generation > 1:
+            reasons.extend(self._per_micro_batch_terms())
+        return reasons
+
+    def _per_micro_batch_terms(self) -> list[str]:
+        """The loss terms normalised or computed per micro-batch (GRPO's and RLOO's; PPO adds its value loss)."""
+        terms = []
+        if getattr(self, "loss_type", None) == "bnpo":
+            terms.append("loss_type='bnpo' divides by the micro-batch's token count")
+        if getattr(self, "top_entropy_quantile", 1.0) < 1.0:
+            terms.append("top_entropy_quantile < 1 masks by an entropy quantile of the micro-batch")
+        if getattr(self, "_entropy_bonus_enabled", False):
+            terms.append("the entropy bonus is a token mean over the micro-batch")
+        if getattr(self, "aux_loss_enabled", False):
+            terms.append("the MoE load-balancing loss is a mean over the micro-batch")
+        return terms
+
+    def _announce_shuffle(self) -> None:
+        """At construction: say what ``tree_shuffle='groups'`` changes against stock TRL, where it does."""
+        if self.args.tree_mode == "off" or self.args.tree_shuffle != "groups":
+            return
+        changes = self._regrouping_changes()
+        if changes:
+            warnings.warn(
+                f"{type(self).__name__}: tree_shuffle='groups' keeps prompt groups whole in a micro-batch, which "
+                f"changes stock TRL's update here ({'; '.join(changes)}): the micro-batches hold other rows than "
+                "TRL's shuffle gives them. The T/U it buys is logged at the first generation batch; "
+                "tree_shuffle='auto' (the default) keeps stock's update", stacklevel=3,
+            )
+
+    def _log_regrouping_gain(self, batch: dict, plan: list[list[int]]) -> None:
+        """Once, under ``tree_shuffle='groups'`` where it changes the update: the T/U of the regrouped
+        micro-batches against TRL's row shuffle of the same rows (the same number of micro-batches)."""
+        if self.args.tree_shuffle != "groups" or getattr(self, "_tree_gain_logged", False) \
+                or not self._regrouping_changes():
+            return
+        self._tree_gain_logged = True
+        sequences = [p[pm.bool()].tolist() + c[cm.bool()].tolist() for p, pm, c, cm in
+                     zip(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu(), batch["completion_ids"].cpu(),
+                         batch["completion_mask"].cpu())]
+        per = len(sequences) // len(plan)
+        rows = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
+
+        def ratio(micro_batches):
+            forests = [PrefixForest.from_sequences([sequences[i] for i in mb]) for mb in micro_batches]
+            return sum(f.num_tokens for f in forests) / max(sum(f.num_unique_tokens for f in forests), 1)
+
+        logger.warning(
+            "%s: tree_shuffle='groups' gives micro-batches of T/U %.2f on this generation batch, TRL's row shuffle "
+            "%.2f (the same rows in %d micro-batches)", type(self).__name__, ratio(plan),
+            ratio([rows[k * per:(k + 1) * per] for k in range(len(plan))]), len(plan))
+
     def _refuse_dropout(self, model: torch.nn.Module, what: str) -> None:
         """Refuse ``model`` (the policy, a value model) with active dropout, at construction."""
         dropout = active_dropout(model)
@@ -212,14 +298,16 @@ class TreeTrainerMixin:
         """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
         start = time.perf_counter()
         try:
-            if self.args.tree_mode == "off" or self.args.tree_shuffle == "rows" or not self.model.training:
+            if not self._regroups():
                 return super()._prepare_inputs(generation_batch)
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:
                 batch = self._generate_and_score_completions(generation_batch)
                 if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
                     raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
-                groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
+                # TRL's own shuffle draw, the groups ordered by it: the random stream stays stock's
+                groups = stock_order(prompt_groups(batch["prompt_ids"], batch["prompt_mask"]),
+                                     batch["prompt_ids"].shape[0])
                 costs_of = None
                 if self.args.tree_token_budget is not None:
                     prompt_len = batch["prompt_mask"].sum(1).tolist()
@@ -230,7 +318,8 @@ class TreeTrainerMixin:
 
                 spg = self.args.steps_per_generation
                 per_window = self.args.gradient_accumulation_steps if self._windows_on() else spg
-                plan = plan_windows(groups, spg, per_window, costs_of)
+                plan = plan_windows(groups, spg, per_window, costs_of, shuffle=False)
+                self._log_regrouping_gain(batch, plan)
                 self._buffered_inputs = [take_rows(batch, rows) for rows in plan]
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
         finally:

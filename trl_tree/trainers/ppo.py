@@ -397,6 +397,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         self._log_ppo_losses(mode, mask, value_loss, clipped, values, inputs, policy_loss, normalizer)
         return loss
 
+    def _per_micro_batch_terms(self) -> list[str]:
+        return [*super()._per_micro_batch_terms(), "the value loss is a token mean over the micro-batch"]
+
     def _log_ppo_losses(self, mode, mask, value_loss, clipped, values, inputs, policy_loss, normalizer) -> None:
         """TRL 1.12 PPO's loss metrics (``loss/value_avg``, ``val/clipfrac_avg``, ``loss/policy_avg``,
         ``policy/approxkl_avg``, ``policy/clipfrac_avg``, ``val/ratio``), averaged over processes."""
