@@ -22,14 +22,6 @@ def test_demo_trains_with_the_tree_and_times_stock_grpo(capsys):
     assert "stock GRPO" in out and "tree GRPO" in out and "T/U" in out
 
 
-def test_demo_runs_ppo(capsys):
-    from trl_tree.demo import main
-
-    assert main(["--algo", "ppo", "--steps", "1", "--stock-steps", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "untreed PPO" in out and "tree PPO" in out and "policy+critic" in out
-
-
 def test_grpo_example_runs_the_walk_under_a_budget(monkeypatch, capsys, tmp_path):
     """The options the learning tests (test_examples_learn.py) leave at their defaults."""
     import tempfile
