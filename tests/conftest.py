@@ -23,6 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_launcher_settings():
+    """A test must not leave Accelerate's launcher variables changed: TrainingArguments read
+    ``ACCELERATE_MIXED_PRECISION`` and friends, so a leak silently turns a later test's fp64 run into
+    bf16 (it did, depending on which pytest-xdist worker ran what)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    if after != before:
+        os.environ.update(before)
+        for k in set(after) - set(before):
+            del os.environ[k]
+        pytest.fail(f"the test left Accelerate's launcher settings changed: {before} -> {after}")
+
+
 def pytest_configure(config):
     # two cores: two threads in one process, one in each of pytest-xdist's two workers
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)

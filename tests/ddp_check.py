@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from trainer_harness import PROMPTS, reward_a  # noqa: E402
 
 from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, graphs  # noqa: E402
+from trl_tree.bench.trainer import launcher_precision  # noqa: E402
 
 
 def main(checkpoint: str, out_dir: str) -> None:
@@ -141,19 +142,19 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
                   use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
                   logging_steps=1, model_init_kwargs={"dtype": dtype})
     common.update(extra)
-    # TrainingArguments take the launcher's mixed precision (ACCELERATE_MIXED_PRECISION) unless bf16=True
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if common["bf16"] else "no"
-    if algo == "grpo":
-        args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
-        cls = TreeGRPOTrainer
-    else:
-        args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
-        cls = TreePPOTrainer
-    torch.manual_seed(0)
-    trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
-                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                  processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
-    trainer.train()
+    # TrainingArguments take the launcher's mixed precision unless bf16=True: set for this run only
+    with launcher_precision("bf16" if common["bf16"] else "no"):
+        if algo == "grpo":
+            args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
+            cls = TreeGRPOTrainer
+        else:
+            args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
+            cls = TreePPOTrainer
+        torch.manual_seed(0)
+        trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
+                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                      processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+        trainer.train()
     assert trainer.accelerator.num_processes == processes
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -38,6 +38,7 @@ import os
 import statistics
 import tempfile
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -112,6 +113,23 @@ def compare_update(directory: str, mode: str, gradient: torch.Tensor, accelerato
     if stock is not None and "+fp32" not in mode:
         result |= {"err_over_stock_bf16": round(error / stock, 3), "within_bf16_rule": error <= 1.5 * stock}
     return result
+
+
+@contextmanager
+def launcher_precision(mixed_precision: str):
+    """``ACCELERATE_MIXED_PRECISION`` set for one mode and restored after: ``TrainingArguments`` take
+    the launcher's mixed precision unless ``bf16=True``, so an fp32 mode under a bf16 launcher config
+    would run in bf16; restored, so that nothing after the benchmark (a test in the same process)
+    inherits it."""
+    saved = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = saved
 
 
 def parameter_fingerprint(model: torch.nn.Module) -> torch.Tensor:
@@ -277,9 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         budget = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("budget=")), None)
         fp32 = "+fp32" in flags
-        # TrainingArguments take the launcher's mixed precision (ACCELERATE_MIXED_PRECISION) unless bf16=True:
-        # an fp32 mode under a bf16 launcher config would otherwise run in bf16
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if fp32 else "bf16"
+        precision = launcher_precision("no" if fp32 else "bf16")  # set from the config to the end of training
+        precision.__enter__()
         settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
                     "mixed_precision": "no" if fp32 else "bf16"}
         cfg = config_cls(
@@ -303,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.add_callback(capture)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            precision.__exit__(None, None, None)
         distributed = {"distributed_type": _distributed_type(trainer.accelerator),
                        "processes": trainer.accelerator.num_processes,
                        "backend": trainer.accelerator.state.backend if trainer.accelerator.num_processes > 1 else None}
