@@ -51,6 +51,21 @@ def test_help_answers_without_importing_torch():
     assert e.value.code == 0
 
 
+@pytest.mark.parametrize("argv,usage", [(["demo", "--help"], "usage: trl-tree demo"),
+                                        (["check", "--help"], "usage: trl-tree check"),
+                                        (["bench", "--help"], "usage: trl-tree bench")])
+def test_subcommand_help_names_the_subcommand(argv, usage, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(usage) and "DESIGN" not in out
+
+
+def test_python_m_help_names_the_module():
+    done = subprocess.run([sys.executable, "-m", "trl_tree", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m trl_tree"), done.stdout + done.stderr
+
+
 def test_inspect_counts_what_the_forest_holds(rollouts, capsys):
     from trl_tree import PrefixForest
 

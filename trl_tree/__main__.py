@@ -2,4 +2,4 @@
 
 from .demo import main
 
-raise SystemExit(main())
+raise SystemExit(main(prog="python -m trl_tree"))

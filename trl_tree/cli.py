@@ -98,16 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.subcommand == "demo":
         from .demo import main as demo
 
-        return demo(rest)
+        return demo(rest, prog="trl-tree demo")
     if args.subcommand == "inspect":
         return _inspect(rest)
     if args.subcommand == "bench":
         from .bench.suite import main as suite
 
-        return suite(rest)
+        return suite(rest, prog="trl-tree bench")
     from .bench.check_gpu import main as check
 
-    return check(rest)
+    return check(rest, prog="trl-tree check")
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     return [h for h in trainer.state.log_history if "reward" in h]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tree GRPO (or PPO) vs the untreed step on a tiny built-in model (CPU)")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="tree GRPO (or PPO) vs the untreed step on a tiny built-in model (CPU)")
     parser.add_argument("--algo", default="grpo", choices=("grpo", "rloo", "ppo"),
                         help="grpo: TreeGRPOTrainer against trl.GRPOTrainer; rloo: TreeRLOOTrainer against "
                         "trl.RLOOTrainer; ppo: TreePPOTrainer (policy and a separate critic over the tree) against its "

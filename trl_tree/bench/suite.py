@@ -313,8 +313,8 @@ def write_reports(payload: dict, json_path: str) -> None:
     print(markdown(payload))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.5b,1.5b,7b")
     parser.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6",
                         help="W6 (441k tokens) and W7 (2M tokens, 32k-token paths: an H200 at 7B) are timed against "
