@@ -295,35 +295,32 @@ def main(argv: list[str] | None = None) -> int:
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         budget = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("budget=")), None)
         fp32 = "+fp32" in flags
-        precision = launcher_precision("no" if fp32 else "bf16")  # set from the config to the end of training
-        precision.__enter__()
+        mixed_precision = "no" if fp32 else "bf16"
         settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
-                    "mixed_precision": "no" if fp32 else "bf16"}
-        cfg = config_cls(
-            output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,
-            tree_shuffle=args.tree_shuffle, tree_token_budget=budget,
-            tree_attn_backend=backend or "auto",
-            tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
-            max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
-            ddp_backend=args.ddp_backend,
-            per_device_train_batch_size=args.per_device or args.group,
-            gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
-            use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled",
-            bf16=not fp32,
-            logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        )
-        trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
-                              train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
-                              rollout_func=rollout, **extra)
-        capture = GradientCapture() if args.update_check else None
-        if capture is not None:
-            trainer.add_callback(capture)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        try:
+                    "mixed_precision": mixed_precision}
+        with launcher_precision(mixed_precision):  # from the config to the end of training
+            cfg = config_cls(
+                output_dir=tempfile.mkdtemp(), tree_mode=flags.split("+")[0], tree_window=window, **ppo,
+                tree_shuffle=args.tree_shuffle, tree_token_budget=budget,
+                tree_attn_backend=backend or "auto",
+                tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
+                max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
+                ddp_backend=args.ddp_backend,
+                per_device_train_batch_size=args.per_device or args.group,
+                gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
+                use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled",
+                bf16=not fp32,
+                logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+            )
+            trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                                  train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
+                                  rollout_func=rollout, **extra)
+            capture = GradientCapture() if args.update_check else None
+            if capture is not None:
+                trainer.add_callback(capture)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             trainer.train()
-        finally:
-            precision.__exit__(None, None, None)
         distributed = {"distributed_type": _distributed_type(trainer.accelerator),
                        "processes": trainer.accelerator.num_processes,
                        "backend": trainer.accelerator.state.backend if trainer.accelerator.num_processes > 1 else None}
