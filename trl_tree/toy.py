@@ -25,13 +25,13 @@ INSTRUCTION = (
 #: the critic starts untrained (a random value head on a random trunk), so ``lam=1.0`` makes each
 #: token's advantage its Monte-Carlo return minus V(s_t), unbiased whatever V is, where GAE's
 #: ``lam < 1`` feeds the critic's errors at the next state into the advantage — with a random critic
-#: that biases the one token that matters (measured: the policy then learned to avoid the rewarded
-#: letter); ``critic_warmup_steps=2`` lets the critic fit the reward's scale before the policy
+#: that biases the one token that matters (the policy learned to avoid the rewarded letter;
+#: docs/quickstart.md); ``critic_warmup_steps=2`` lets the critic fit the reward's scale before the policy
 #: moves; one PPO epoch per generation, so the few steps of a demo all see fresh rollouts; a small
 #: KL penalty, since the reward (a share of letters) is small next to a per-token KL sum; and
 #: ``vf_coef=0.1``: a value head on the policy's own trunk (``critic="shared"``) otherwise sends the
-#: untrained critic's large errors through the trunk the policy learns with (measured: 10 steps
-#: gained 0.01 at 0.5 and 0.48 at 0.1); a critic with parameters of its own is trained by Adam,
+#: untrained critic's large errors through the trunk the policy learns with (docs/quickstart.md);
+#: a critic with parameters of its own is trained by Adam,
 #: which a loss scale does not change.
 TOY_PPO: dict = {"num_ppo_epochs": 1, "lam": 1.0, "critic_warmup_steps": 2, "kl_coef": 0.01, "vf_coef": 0.1}
 
