@@ -124,12 +124,11 @@ def test_model_whose_attention_bypasses_the_interface():
 def test_soft_cap_refused_at_call_time_on_a_kernel_without_it(monkeypatch):
     """The dispatcher's own check (a direct engine call; trainers refuse at construction): a
     Gemma-2 soft-cap reaching the FlashAttention path, here its math stand-in."""
-    from trl_tree import engine
     from trl_tree.attention import backends, partial
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "torch_flash", (partial.math_partial_forward,
                                                                   partial.math_partial_backward))
-    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "torch_flash")
+    monkeypatch.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "torch_flash")
     model = tiny_model("gemma2", attn_implementation="eager", attn_logit_softcapping=20.0)
     with pytest.raises(ValueError, match="soft-capping \\(20.0\\) is not computed by attn_backend='torch_flash'"):
         tree_logprobs(model, [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]])

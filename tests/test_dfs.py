@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from test_exactness import WORKLOADS
 
 from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.attention import backends
 from trl_tree.cost_model import ActivationModel, GroupBudget
 from trl_tree.dfs.plan import plan_walk
 from trl_tree.reference import untreed_backward, untreed_logprobs
@@ -175,14 +176,13 @@ def split_attention_on_cpu(request, monkeypatch):
     backwards) run on the CPU with the math kernels of ``attention/partial.py``; ``dense``: the
     prefix rectangle and one-node units through the dense slot, as cuDNN runs them on a GPU."""
     from trl_tree.attention import partial
-    from trl_tree.dfs import walk
 
     math = (partial.math_partial_forward, partial.math_partial_backward)
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", math)
     if request.param:
         monkeypatch.setitem(partial.DENSE_KERNELS, "math", (partial.math_dense_forward, partial.math_dense_backward))
         monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
 
 
 @pytest.mark.parametrize("chunk_size", [None, 3, 7])
@@ -248,7 +248,6 @@ def test_walk_units_keep_their_attention_for_the_recompute(monkeypatch):
     recompute in its backward runs no attention kernel: exact, fewer kernel calls, nothing left kept."""
     from trl_tree.attention import kept as kept_module
     from trl_tree.attention import partial
-    from trl_tree.dfs import walk
 
     forwards = [0]
     taken = [0]
@@ -265,7 +264,7 @@ def test_walk_units_keep_their_attention_for_the_recompute(monkeypatch):
         return entry
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (counting, partial.math_partial_backward))
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     monkeypatch.setattr(kept_module.KeptAttention, "take", take)
     model = tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -367,7 +366,6 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
     """With a dense pair registered, the cached prefix (a non-causal rectangle) and one-node units
     (a causal block as long as its keys) go through it; in-unit trees stay varlen."""
     from trl_tree.attention import partial
-    from trl_tree.dfs import walk
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
     calls = []
@@ -378,7 +376,7 @@ def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
 
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)  # one-token units stay varlen (cuDNN refuses 1 x 1)
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     seqs = WORKLOADS["grpo_group"]
     assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), untreed_logprobs(qwen2, seqs))
     assert any(not causal for causal, *_ in calls) and any(causal for causal, *_ in calls)
@@ -393,7 +391,6 @@ def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatc
     where no shape repeats, never pay a plan — and keeps one choice across the unit's layers,
     recompute and backward. Exact both ways."""
     from trl_tree.attention import partial
-    from trl_tree.dfs import walk
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
     calls = []
@@ -406,7 +403,7 @@ def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatc
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 2)
     monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     seqs = [list(range(1, 9)) + [20 + i] * (3 + i) for i in range(3)]  # units of distinct shapes
     ref = untreed_logprobs(qwen2, seqs)
     assert_logps_close(tree_logprobs(qwen2, seqs, mode="dfs", chunk_size=6), ref)

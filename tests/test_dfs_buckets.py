@@ -17,7 +17,7 @@ from test_dfs import deep_tree
 from test_dfs_graphs import VOCAB, _model
 
 from trl_tree import graphs, tree_backward, tree_logprobs
-from trl_tree.attention import partial
+from trl_tree.attention import backends, partial
 from trl_tree.dfs import buckets as dfs_buckets
 from trl_tree.dfs import graphs as dfs_graphs
 from trl_tree.dfs.plan import Unit, unit_layout
@@ -64,13 +64,12 @@ def backend(request, monkeypatch):
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
     if request.param == "sdpa":
         return "sdpa"
-    from trl_tree.dfs import walk
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, _garbage_backward))
     if request.param == "math-dense":
         monkeypatch.setitem(partial.DENSE_KERNELS, "math", (partial.math_dense_forward, partial.math_dense_backward))
         monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     return "auto"
 

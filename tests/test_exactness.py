@@ -8,7 +8,7 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree import PrefixForest, packed, tree_backward, tree_logprobs
 from trl_tree.reference import untreed_backward, untreed_logprobs
 from trl_tree.tiny import FAMILIES, grpo_group, random_tree, tiny_model
 
@@ -119,18 +119,17 @@ def test_random_forests(qwen2, seqs, backend):
 def test_unshared_equal_lengths_run_as_a_dense_batch(qwen2, monkeypatch):
     """No sharing and one length: the model's own causal attention over a (B, L) batch, exact; with
     sharing or ragged lengths the tree layout is used."""
-    from trl_tree import engine
 
     seqs = WORKLOADS["no_sharing_equal_lengths"]
-    assert engine.dense_row_length(PrefixForest.from_sequences(seqs)) == 5
-    assert engine.dense_row_length(PrefixForest.from_sequences(WORKLOADS["no_sharing"])) is None
-    assert engine.dense_row_length(PrefixForest.from_sequences(WORKLOADS["duplicates"])) is None
-    original, calls = engine._dense_hidden_states, []
+    assert packed.dense_row_length(PrefixForest.from_sequences(seqs)) == 5
+    assert packed.dense_row_length(PrefixForest.from_sequences(WORKLOADS["no_sharing"])) is None
+    assert packed.dense_row_length(PrefixForest.from_sequences(WORKLOADS["duplicates"])) is None
+    original, calls = packed._dense_hidden_states, []
 
     def recording(*args):
         calls.append(args[2])
         return original(*args)
 
-    monkeypatch.setattr(engine, "_dense_hidden_states", recording)
+    monkeypatch.setattr(packed, "_dense_hidden_states", recording)
     check_exact(qwen2, seqs, "sdpa")
     assert calls and set(calls) == {5}

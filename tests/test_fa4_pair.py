@@ -19,9 +19,9 @@ from test_dfs import check_dfs, deep_tree
 from test_exactness import WORKLOADS, check_exact
 from test_model_variants import WINDOWED, check_model
 
-from trl_tree import engine
 from trl_tree.attention import backends, fa4, partial
 from trl_tree.dfs import walk
+from trl_tree.layout import LAYOUT
 from trl_tree.tiny import tiny_model
 
 CALLS: list[str] = []
@@ -60,8 +60,8 @@ def fa4_on_cpu(monkeypatch):
     monkeypatch.setattr(partial, "DENSE_KERNELS", dict(partial.DENSE_KERNELS))
     monkeypatch.setattr(partial, "PLANNED_DENSE", set(partial.PLANNED_DENSE))
     assert fa4.register_fa4()
-    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "flash")
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "flash")
+    monkeypatch.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "flash")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "flash")
     CALLS.clear()
     yield
     partial.PARTIAL_KERNELS.pop("flash", None)
@@ -70,7 +70,7 @@ def fa4_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("split", [False, True, None], ids=["whole-paths", "split", "auto"])
 def test_packed_flash_runs_the_fa4_pair_exactly(qwen2, fa4_on_cpu, monkeypatch, split):
-    monkeypatch.setattr(engine, "ROOT_SPLIT", split)
+    monkeypatch.setattr(LAYOUT, "root_split", split)
     check_exact(qwen2, WORKLOADS["grpo_group"] + WORKLOADS["multi_level"], "flash")
     assert "fwd" in CALLS and "bwd" in CALLS  # the pair ran, not the gathered-path varlen function
 
@@ -86,7 +86,7 @@ def test_checkpointed_flash_keeps_its_outputs(fa4_on_cpu, monkeypatch):
     model = tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    monkeypatch.setattr(LAYOUT, "root_split", True)
     check_exact(model, WORKLOADS["grpo_group"], "flash")
     CALLS.clear()
     from trl_tree import tree_backward

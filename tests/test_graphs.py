@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 
-from trl_tree import PrefixForest, graphs, tree_backward, tree_logprobs
+from trl_tree import PrefixForest, graphs, packed, tree_backward, tree_logprobs
+from trl_tree.layout import LAYOUT
 from trl_tree.reference import untreed_backward
 from trl_tree.tiny import grpo_group, random_tree, tiny_model
 
@@ -224,7 +225,6 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     """Where cuDNN pays only without the host's cost per call (head_dim 64, ``CUDNN_GRAPHED_MIN_HEAD_DIM``),
     a layout's eager calls keep the varlen kernels and its captured graphs hold the dense ones: the
     choice is part of the metadata, hence of the layout signature. Exact either way."""
-    from trl_tree import engine
     from trl_tree.attention import backends, partial
 
     dense_calls = []
@@ -237,18 +237,18 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "DENSE_MIN_ROWS", 1)
     monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "math")
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
-    monkeypatch.setattr(engine, "dense_blocks", lambda parts, backend, graphed=False: graphed)
-    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    monkeypatch.setattr(packed, "dense_blocks", lambda parts, backend, graphed=False: graphed)
+    monkeypatch.setattr(LAYOUT, "root_split", True)
     from trl_tree.attention import metadata
 
     uploads = []
     real_upload = metadata.upload
     monkeypatch.setattr(metadata, "upload", lambda arrays, *a: uploads.append(len(arrays)) or real_upload(arrays, *a))
     walks = []
-    real_walk = engine.activation_checkpointing
-    monkeypatch.setattr(engine, "activation_checkpointing", lambda m: walks.append(1) or real_walk(m))
+    real_walk = packed.activation_checkpointing
+    monkeypatch.setattr(packed, "activation_checkpointing", lambda m: walks.append(1) or real_walk(m))
     model = _model()
     model.zero_grad(set_to_none=True)
     untreed_backward(model, GROUP, weighted_loss)
@@ -309,12 +309,11 @@ def graph_backend(request, monkeypatch):
     """The CPU's masked attention (sdpa), or the packed FlashAttention function's varlen path with the
     math kernels standing in for FA2 (no dense pair: a bucketed layout never splits)."""
     if request.param == "varlen":
-        from trl_tree import engine
         from trl_tree.attention import backends, partial
 
         monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
         monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-        monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
+        monkeypatch.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "math")
         monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     return request.param
 

@@ -10,10 +10,11 @@ import torch
 from test_exactness import WORKLOADS, check_exact
 from test_root_split import _math_backend
 
-from trl_tree import engine, tree_backward, tree_logprobs
+from trl_tree import packed, tree_backward, tree_logprobs
 from trl_tree.attention import backends, kept
 from trl_tree.attention.kept import KeptAttention
 from trl_tree.cost_model import ActivationModel, estimate_bytes
+from trl_tree.layout import LAYOUT, layout_choices
 from trl_tree.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
@@ -49,7 +50,7 @@ def kept_stores(monkeypatch) -> list[KeptAttention]:
             super().__init__(layers)
             made.append(self)
 
-    monkeypatch.setattr(engine, "KeptAttention", Recording)
+    monkeypatch.setattr(packed, "KeptAttention", Recording)
     return made
 
 
@@ -63,7 +64,7 @@ def _checkpointed(family: str = "qwen2", reentrant: bool = False) -> torch.nn.Mo
 
 def _grads(model, seqs, keep: bool, root_split: bool | None = None) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    with engine.layout_choices(root_split=root_split, keep_attention=keep):
+    with layout_choices(root_split=root_split, keep_attention=keep):
         loss = tree_backward(model, seqs, lambda lp, s, p: -lp * (1 + s), attn_backend="math")
     return loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -114,7 +115,7 @@ def test_nothing_kept_where_nothing_is_recomputed(flash_path_on_cpu, kept_stores
         with torch.no_grad():
             tree_logprobs(model, SEQS, attn_backend="math")
     else:
-        with engine.layout_choices(keep_attention=case != "switched-off"):
+        with layout_choices(keep_attention=case != "switched-off"):
             tree_backward(model, SEQS, lambda lp, s, p: -lp, attn_backend="math")
     assert kept_stores == []
 
@@ -153,12 +154,12 @@ def test_cost_model_counts_the_kept_outputs():
 
 
 def test_keep_attention_argument_overrides_the_engine_default(flash_path_on_cpu, kept_stores, monkeypatch):
-    """``keep_attention=`` on the entry points wins over ``engine.KEEP_ATTENTION`` both ways."""
+    """``keep_attention=`` on the entry points wins over ``LAYOUT.keep_attention`` both ways."""
     model = _checkpointed()
-    monkeypatch.setattr(engine, "KEEP_ATTENTION", False)
+    monkeypatch.setattr(LAYOUT, "keep_attention", False)
     tree_backward(model, SEQS, lambda lp, s, p: -lp, attn_backend="math", keep_attention=True)
     assert len(kept_stores) == 1
-    monkeypatch.setattr(engine, "KEEP_ATTENTION", True)
+    monkeypatch.setattr(LAYOUT, "keep_attention", True)
     tree_backward(model, SEQS, lambda lp, s, p: -lp, attn_backend="math", keep_attention=False)
     with torch.enable_grad():
         tree_logprobs(model, SEQS, attn_backend="math", keep_attention=False)

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from transformers import AutoModelForCausalLM, GPT2Config
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from trl_tree import engine, tree_backward, tree_logprobs
+from trl_tree import tree_backward, tree_logprobs
 from trl_tree.attention import backends, partial
-from trl_tree.dfs import walk
+from trl_tree.attention.metadata import TreeAttentionMetadata
 from trl_tree.reference import untreed_backward, untreed_logprobs
 from trl_tree.router import RouterAux
 from trl_tree.tiny import random_tree, tiny_model
-
-from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 
 SEQS = [s for s in random_tree(10, 96, max_len=20, seed=3) if len(s) > 1]  # paths up to 20 tokens
 
@@ -62,8 +61,8 @@ def test_sliding_window_on_the_flash_path(monkeypatch):
     gather) with the per-segment math kernels standing in for the CUDA ones."""
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
     monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-    monkeypatch.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
-    monkeypatch.setattr(walk, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "math")
+    monkeypatch.setattr(backends, "resolve_dfs_backend", lambda requested, device, dtype, **_: "math")
     model = tiny_model("qwen2", attn_implementation="eager", **WINDOWED["qwen2"])
     check_model(model, backends_=("auto",))
     check_model(model, backends_=("auto",), chunk_size=None)
@@ -72,12 +71,12 @@ def test_sliding_window_on_the_flash_path(monkeypatch):
 def test_window_mask_is_what_makes_it_exact():
     """The same window dropped from the tree's mask gives other numbers (the test above can fail)."""
     model = tiny_model("mistral", attn_implementation="eager", sliding_window=4)
-    meta_mask = engine.TreeAttentionMetadata.dense_mask
+    meta_mask = TreeAttentionMetadata.dense_mask
     try:
-        engine.TreeAttentionMetadata.dense_mask = lambda self, window=None: meta_mask(self, None)
+        TreeAttentionMetadata.dense_mask = lambda self, window=None: meta_mask(self, None)
         out = tree_logprobs(model, SEQS, attn_backend="eager")
     finally:
-        engine.TreeAttentionMetadata.dense_mask = meta_mask
+        TreeAttentionMetadata.dense_mask = meta_mask
     ref = untreed_logprobs(model, SEQS)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref) if a.numel()) > 1e-3
 

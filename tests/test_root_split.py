@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_exactness import WORKLOADS, check_exact
 
-from trl_tree import PrefixForest, engine, tree_logprobs
+from trl_tree import PrefixForest, tree_logprobs
 from trl_tree.attention import backends, partial
 from trl_tree.attention.metadata import TreeAttentionMetadata, use_root_split
 from trl_tree.attention.root_split import RootSplitLayout
+from trl_tree.layout import LAYOUT, layout_choices
 from trl_tree.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
@@ -31,7 +32,7 @@ def _math_backend(mp: pytest.MonkeyPatch, dense: bool) -> None:
         mp.setitem(partial.DENSE_KERNELS, "math", MATH_DENSE)
     mp.setattr(partial, "DENSE_MIN_ROWS", 1)  # the tiny test trees' blocks count as dense
     mp.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
-    mp.setattr(engine, "resolve_backend", lambda requested, device, dtype, **_: "math")
+    mp.setattr(backends, "resolve_backend", lambda requested, device, dtype, **_: "math")
 
 
 @pytest.fixture(params=[False, True], ids=["varlen", "dense"])
@@ -45,7 +46,7 @@ def flash_path_on_cpu(request, monkeypatch):
 
 @pytest.fixture(params=[False, True, None], ids=["whole-paths", "split", "auto"])
 def root_split(request, monkeypatch):
-    monkeypatch.setattr(engine, "ROOT_SPLIT", request.param)
+    monkeypatch.setattr(LAYOUT, "root_split", request.param)
     return request.param
 
 
@@ -127,7 +128,7 @@ def test_flash_path_deep_and_multi_root(qwen2, flash_path_on_cpu, root_split):
 def test_flash_path_random_forests(qwen2, seqs, split, dense):
     with pytest.MonkeyPatch.context() as mp:
         _math_backend(mp, dense)
-        mp.setattr(engine, "ROOT_SPLIT", split)
+        mp.setattr(LAYOUT, "root_split", split)
         check_exact(qwen2, seqs, "math")
 
 
@@ -143,7 +144,7 @@ def test_one_tree_runs_its_root_block_and_rectangle_dense(qwen2, monkeypatch):
         return partial.math_dense_forward(*args)
 
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
-    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    monkeypatch.setattr(LAYOUT, "root_split", True)
     tree_logprobs(qwen2, grpo_group(12, 4, 3, VOCAB))
     layers = qwen2.config.num_hidden_layers
     assert calls == [(True, 12 + 4 * 3, 12)] * layers  # all 24 packed queries against the 12-token root
@@ -170,7 +171,7 @@ def test_planned_dense_blocks_wait_for_their_shape_s_third_sighting(qwen2, monke
     monkeypatch.setitem(partial.DENSE_KERNELS, "math", (counting, partial.math_dense_backward))
     monkeypatch.setattr(partial, "PLANNED_DENSE", {"math"})
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
-    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    monkeypatch.setattr(LAYOUT, "root_split", True)
     seqs = grpo_group(12, 4, 3, VOCAB)
     check_exact(qwen2, seqs, "math")  # check_exact runs the model more than once: count from here
     monkeypatch.setattr(partial, "_DENSE_SHAPES", type(partial._DENSE_SHAPES)())
@@ -187,7 +188,7 @@ def test_planned_dense_blocks_wait_for_their_shape_s_third_sighting(qwen2, monke
 
 def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):
     """HF gradient checkpointing re-runs the split attention in backward; still exact."""
-    monkeypatch.setattr(engine, "ROOT_SPLIT", True)
+    monkeypatch.setattr(LAYOUT, "root_split", True)
     model = tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -197,14 +198,14 @@ def test_split_under_checkpointing(flash_path_on_cpu, monkeypatch):
 def test_layout_choices_restore_what_was_set_before():
     """The benchmarks' override of the packed layout choices restores the previous values, also
     when the step raises."""
-    assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (True, None)
-    with engine.layout_choices(dense_unshared_batches=False, root_split=True):
-        assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (False, True)
-        with pytest.raises(RuntimeError), engine.layout_choices(root_split=False):
-            assert engine.ROOT_SPLIT is False
+    assert (LAYOUT.dense_unshared_batches, LAYOUT.root_split) == (True, None)
+    with layout_choices(dense_unshared_batches=False, root_split=True):
+        assert (LAYOUT.dense_unshared_batches, LAYOUT.root_split) == (False, True)
+        with pytest.raises(RuntimeError), layout_choices(root_split=False):
+            assert LAYOUT.root_split is False
             raise RuntimeError("step failed")
-        assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (False, True)
-    assert (engine.DENSE_UNSHARED_BATCHES, engine.ROOT_SPLIT) == (True, None)
+        assert (LAYOUT.dense_unshared_batches, LAYOUT.root_split) == (False, True)
+    assert (LAYOUT.dense_unshared_batches, LAYOUT.root_split) == (True, None)
 
 
 def test_metadata_with_other_choices_shares_the_uploaded_arrays():

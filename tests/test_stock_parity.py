@@ -9,19 +9,17 @@ that both trainers trained on the same rollouts.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from conftest import assert_grads_close  # noqa: E402
+from trainer_harness import run, save_tiny_checkpoint  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreeRLOOConfig, TreeRLOOTrainer  # noqa: E402
-
-from conftest import assert_grads_close  # noqa: E402
-from trainer_harness import run, save_tiny_checkpoint  # noqa: E402
 
 ONE_UPDATE = dict(max_steps=1, gradient_accumulation_steps=1, num_iterations=1, beta=0.0)
 KINDS = {

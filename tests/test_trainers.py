@@ -15,14 +15,13 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from conftest import assert_grads_close  # noqa: E402
+from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tiny_checkpoint  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreeRLOOConfig, TreeRLOOTrainer  # noqa: E402
 from trl_tree.trainers.grouping import plan_micro_batches, prompt_groups, split_into_calls  # noqa: E402
 from trl_tree.trainers.rows import PaddedRows  # noqa: E402
-
-from conftest import assert_grads_close  # noqa: E402
-from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tiny_checkpoint  # noqa: E402
 
 KINDS = {
     "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),

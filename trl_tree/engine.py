@@ -1,61 +1,63 @@
-"""Public entry points: ``tree_logprobs`` and ``tree_backward`` over a prefix forest.
+"""Public entry points: ``tree_logprobs``, ``tree_backward`` (and the critic's ``tree_values``,
+``tree_value_backward``) over a prefix forest.
 
-``mode="packed"`` (Tree Training's tree packing): one forward over the U unique tokens in DFS
-pre-order, tree attention, the LM head on the unique predictions only, then a gather back to every
-(sequence, position). Autograd sums the branches' gradients into shared tokens by itself, so the
-backward is an ordinary one and works under HF gradient checkpointing, DDP and PEFT.
+Each call validates the model against the sequences, resolves ``mode="auto"`` with the cost model,
+then runs one of three ways that compute the same numbers: the packed pass (``packed.py``: one
+forward over the unique tokens, the LM head on the unique predictions only, then a gather back to
+every (sequence, position)), its CUDA-graph replay (``graphs.py``), or the depth-first walk
+(``dfs/``). This module sits above all three and is the only one that chooses among them.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ._device import upload
 from ._inputs import SequenceLike
-from .attention.backends import resolve_backend
-from .attention.dispatch import install
-from .attention.kept import KeptAttention
-from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata, TreeCall
-from .attention.partial import PARTIAL_KERNELS, dense_kernels
+from .attention import backends
+from .attention.buckets import BucketedLayout
 from .attention.support import attention_features
+from .cost_model import GroupBudget, choose_mode, default_memory_budget
+from .dfs.buckets import PADDED_BUDGET_SCALE
+from .dfs.graphs import walk_graphs
+from .dfs.walk import DepthFirstWalk
 from .forest import PrefixForest, ScoringPlan
+from .graphs import graphed_scores
+from .layout import LAYOUT, layout_choices  # noqa: F401  (layout_choices: where the benchmarks found it)
 from .lm_head import score_rows
 from .model_parts import (
     ModelParts,
-    activation_checkpointing,
     active_dropout,
-    capture_last_hidden_state,
     dropout_rate,
     is_dropout_site,
     model_parts,
-    rope_length_hint,
     value_model_parts,
 )
-from .router import RouterAux, record_router_logits
+from .packed import (  # noqa: F401  (tree_forward, call_token_loss, TokenLoss: importable from here as before)
+    TokenLoss,
+    call_token_loss,
+    checkpointing_on,
+    dense_row_length,
+    keeps_attention,
+    packed_hidden_states,
+    recomputes_kept_attention,
+    tree_forward,
+    tree_metadata,
+    wants_kept_attention,
+)
+from .router import RouterAux
 
 MODES = ("packed", "dfs", "auto")
-
-TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-
-
-def check_loss_terms(terms: object, logp: torch.Tensor) -> None:
-    """``token_loss`` must return one term per log-prob; anything else would be summed wrongly."""
-    if not isinstance(terms, torch.Tensor) or terms.shape != logp.shape:
-        raise ValueError(
-            f"token_loss must return one loss term per log-prob (a tensor of shape {tuple(logp.shape)}), got "
-            f"{tuple(terms.shape) if isinstance(terms, torch.Tensor) else type(terms).__name__}"
-        )
 
 
 def _check_temperature(temperature: float) -> None:
@@ -140,203 +142,9 @@ def _check_dropout(parts: ModelParts) -> None:
         )
 
 
-@contextmanager
-def model_call(parts: ModelParts):
-    """Around one call of the model: capture the backbone's final hidden state (yielded list), show a
-    length-dependent RoPE the length it must use (``rope_length_hint``) and, with ``parts.router``
-    set, record the router logits and hand them over with ``parts.router_weights`` (the call's
-    unique tokens' multiplicities) after the call."""
-    sink = [] if parts.router is not None else None
-    with capture_last_hidden_state(parts.backbone) as captured, rope_length_hint(parts), \
-            record_router_logits(parts.backbone, sink):
-        yield captured
-    if sink is not None:
-        parts.router.on_forward(sink, parts.router_weights)
-
-
-def _router_kwargs(parts: ModelParts) -> dict:
-    """The model must not compute its own load-balancing loss (it would read the placeholder mask as
-    its padding mask); the engine records the router logits itself."""
-    return {"output_router_logits": False} if hasattr(parts.causal_lm.config.get_text_config(),
-                                                      "output_router_logits") else {}
-
-
-def _call_kwargs(parts: ModelParts) -> dict:
-    """What every model call gets besides its inputs: no cache; no logits from a causal LM (the
-    engine applies its heads itself; a value-only call goes to the backbone, which makes none)."""
-    kwargs = {"use_cache": False, **_router_kwargs(parts)}
-    if not parts.calls_backbone:
-        kwargs["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=parts.device)
-    return kwargs
-
-
-def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tensor:
-    """Final hidden states ``[n, H]`` of ``input_ids [1, n]`` (on the model's device) run as one packed
-    row under tree metadata ``meta``.
-
-    The outer module is called (DDP hooks, PEFT adapters run); no logits are requested; the hidden
-    state comes from a hook on the backbone. Afterwards every layer must have attended through
-    the tree dispatcher, else the model would have mixed branches and we refuse the result.
-    """
-    device = parts.device
-    # a 4-D placeholder makes HF skip building its own O(n²) mask; tree attention ignores it
-    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-    with model_call(parts) as captured:
-        parts.outer(
-            input_ids=input_ids,
-            position_ids=meta.position_ids,
-            attention_mask=placeholder_mask,
-            **_call_kwargs(parts),
-            **{TREE_KWARG: TreeCall(meta)},
-        )
-    _check_every_layer(parts, meta, captured)
-    return captured[-1][0]
-
-
-def _check_every_layer(parts: ModelParts, meta, captured: list) -> None:
-    if meta.calls != parts.num_layers or not captured:
-        raise ValueError(
-            f"{type(parts.causal_lm).__name__}: {meta.calls} of its {parts.num_layers} layers ran their attention "
-            "through transformers' AttentionInterface; the tree engine needs every layer to (a model with "
-            "hand-written or non-softmax attention would silently mix branches)"
-        )
-
-
-#: Run a forest of unshared, equal-length sequences as a dense causal batch through the model's own
-#: attention (see ``dense_row_length``). The benchmarks set it False to time varlen packing itself.
-DENSE_UNSHARED_BATCHES = True
-
-#: Split the packed FlashAttention at the roots (``attention/root_split.py``): None = where it pays
-#: (``metadata.use_root_split``); the benchmarks force True/False to time both.
-ROOT_SPLIT: bool | None = None
-
-#: Under gradient checkpointing, keep each layer's attention output and log-sum-exp from the forward
-#: so the recompute skips the attention kernels (``attention/kept.py``; packed FlashAttention path).
-#: Costs one hidden-sized tensor per token and layer until the backward reaches the layer. The
-#: default of the entry points' ``keep_attention=None``; set False (or pass ``keep_attention=False``)
-#: where that memory is needed more than the step time it saves (docs/benchmarks/README.md).
-KEEP_ATTENTION = True
-
-#: A training walk that recomputes its pushed nodes recomputes each one together with its first group
-#: of children where both fit (``dfs/plan.py``, merged pops); the benchmarks set it False to time the
-#: walk with every pop a call of its own.
-MERGE_POPS = True
-
-
-@contextmanager
-def layout_choices(dense_unshared_batches: bool = True, root_split: bool | None = None, keep_attention: bool = True,
-                   merge_pops: bool = True):
-    """Run steps with these layout choices (``DENSE_UNSHARED_BATCHES``, ``ROOT_SPLIT``,
-    ``KEEP_ATTENTION``, ``MERGE_POPS``) and restore the previous ones afterwards — how the benchmarks
-    and the GPU check time or check a layout the defaults would not pick."""
-    global DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS
-    saved = DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS
-    DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS = (dense_unshared_batches, root_split,
-                                                                      keep_attention, merge_pops)
-    try:
-        yield
-    finally:
-        DENSE_UNSHARED_BATCHES, ROOT_SPLIT, KEEP_ATTENTION, MERGE_POPS = saved
-
-
-def keeps_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None,
-                    checkpointing: bool | None = None) -> bool:
-    """Whether a packed call that builds a graph keeps its attention outputs for the recompute:
-    asked to (``keep_attention``; None: ``KEEP_ATTENTION``), the model recomputes its layers
-    (checkpointing on, training mode — HF recomputes only then) and the backend's function can hand
-    them back (the partial-kernel FlashAttention path). ``checkpointing``: :func:`_checkpointing`'s
-    answer where the caller has it already (it walks the model's modules)."""
-    return torch.is_grad_enabled() and _recomputes_kept_attention(parts, backend, keep_attention, checkpointing)
-
-
-def _recomputes_kept_attention(parts: ModelParts, backend: str, keep_attention: bool | None = None,
-                               checkpointing: bool | None = None) -> bool:
-    """:func:`keeps_attention` whatever the grad mode: the walk asks before its units enable grad
-    (inside the Trainer, from autograd's backward, where grad is off)."""
-    return (_wants_kept_attention(keep_attention) and backend in PARTIAL_KERNELS
-            and (_checkpointing(parts) if checkpointing is None else checkpointing) and parts.causal_lm.training)
-
-
-def _wants_kept_attention(keep_attention: bool | None) -> bool:
-    """The caller's ``keep_attention``, or the engine default ``KEEP_ATTENTION`` for None."""
-    return KEEP_ATTENTION if keep_attention is None else keep_attention
-
-
 def _check_keep_attention(keep_attention: bool | None) -> None:
     if keep_attention not in (None, True, False):
         raise TypeError(f"keep_attention must be True, False or None, got {keep_attention!r}")
-
-
-def dense_blocks(parts: ModelParts, backend: str, graphed: bool = False) -> bool:
-    """Whether a split's single-segment blocks run on a dense kernel (cuDNN) for this model here
-    (``graphed``: in a call replayed from a CUDA graph, where cuDNN serves smaller heads too)."""
-    return dense_kernels(backend, parts.device, parts.compute_dtype, parts.head_dim, graphed=graphed) is not None
-
-
-def dense_row_length(forest: PrefixForest) -> int | None:
-    """``L`` when the forest is B sequences of one length L sharing nothing, else None.
-
-    Then the packed layout *is* a ``(B, L)`` batch without padding (each sequence one root node,
-    contiguous), and the model's own causal attention over it (cuDNN/FlashAttention dense kernels,
-    no gather) is the same computation as tree attention, only faster: the no-sharing case must
-    not cost more than the untreed path.
-    """
-    if not DENSE_UNSHARED_BATCHES or forest.num_unique_tokens != forest.num_tokens:
-        return None
-    if forest.num_nodes != forest.num_sequences or len(set(forest.seq_lengths.tolist())) != 1:
-        return None
-    return int(forest.seq_lengths[0])
-
-
-def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -> torch.Tensor:
-    """The ``(B, L)`` batch through the model's own causal attention; the dispatcher still applies
-    the tree's refusals and the every-layer check, so a model behaves the same on any batch."""
-    input_ids = tokens.view(-1, length)
-    meta = DenseCausalBatch(max_depth=length)
-    with model_call(parts) as captured:
-        parts.outer(input_ids=input_ids, **_call_kwargs(parts), **{TREE_KWARG: TreeCall(meta)})
-    _check_every_layer(parts, meta, captured)
-    hidden = captured[-1]
-    return hidden.reshape(-1, hidden.shape[-1])
-
-
-def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
-                         tokens: torch.Tensor | None = None, keep_attention: bool | None = None,
-                         meta: TreeAttentionMetadata | None = None, checkpointing: bool | None = None
-                         ) -> torch.Tensor:
-    """Final hidden states ``[U, H]`` of the forest's unique tokens from one packed forward
-    (``tokens``: ``forest.tokens`` already on the device, else uploaded here; ``keep_attention``:
-    see :func:`keeps_attention`; ``meta``: the forest's metadata if already built;
-    ``checkpointing``: :func:`_checkpointing`'s answer if the caller has it)."""
-    backend = (meta.backend if meta is not None else  # resolved when it was built (a graphed call's choice)
-               resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
-                               hidden_size=parts.hidden_size, **attention_features(parts.causal_lm.config)))
-    install(parts.causal_lm.config._attn_implementation)
-    if tokens is None:
-        (tokens,) = upload([forest.tokens], torch.int64, parts.device)
-    length = dense_row_length(forest)
-    if length is not None:
-        return _dense_hidden_states(parts, tokens, length)
-    if meta is None:
-        meta = tree_metadata(parts, forest, backend)
-    if keeps_attention(parts, backend, keep_attention, checkpointing):
-        meta.kept = KeptAttention(parts.num_layers)
-    return tree_forward(parts, tokens.unsqueeze(0), meta)
-
-
-def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed: bool = False,
-                  rechoose: TreeAttentionMetadata | None = None) -> TreeAttentionMetadata:
-    """The forest's packed-layout metadata on the model's device, with the engine's layout choices
-    (``graphed``: those of a call replayed from a CUDA graph, see :func:`dense_blocks`; an eager
-    call takes cuDNN only for dense shapes it has seen before, ``partial.dense_shape_seen``).
-    ``rechoose``: this forest's metadata already uploaded (with other choices): share its arrays."""
-    config = parts.causal_lm.config
-    dense_key = None if graphed else (parts.head_dim, str(parts.compute_dtype), config.num_attention_heads,
-                                      getattr(config, "num_key_value_heads", None))
-    choices = dict(root_split=ROOT_SPLIT, dense=dense_blocks(parts, backend, graphed), dense_key=dense_key)
-    if rechoose is not None:
-        return rechoose.rechosen(forest, **choices)
-    return TreeAttentionMetadata.from_forest(forest, parts.device, backend, **choices)
 
 
 def _score(
@@ -370,12 +178,10 @@ def _score(
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
-        from .graphs import graphed_scores
-
-        backend = resolve_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
+        backend = backends.resolve_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
                                   graphed=True, **attention_features(parts.causal_lm.config))
         meta = tree_metadata(parts, forest, backend, graphed=True)
-        checkpointing = _checkpointing(parts)
+        checkpointing = checkpointing_on(parts)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
                                 targets, meta, keeps_attention(parts, backend, keep_attention, checkpointing),
                                 checkpointing,
@@ -398,8 +204,6 @@ def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, pred_src: np.ndarr
     length could pass its window and be refused where the real one is not)."""
     if getattr(parts.causal_lm.config, "sliding_window", None):
         return None
-    from .attention.buckets import BucketedLayout
-
     def make():
         return BucketedLayout.pad(forest, pred_src, targets).to_device(parts.device, backend)
 
@@ -421,13 +225,11 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size
     """``mode="auto"``: packed when its activations fit the memory budget, else dfs (cost_model)."""
     if mode != "auto":
         return mode, chunk_size
-    from .cost_model import choose_mode, default_memory_budget
-
     budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
         return "packed", chunk_size
-    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, _checkpointing(parts),
-                         keep_attention=_wants_kept_attention(keep_attention))
+    choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing_on(parts),
+                         keep_attention=wants_kept_attention(keep_attention))
     return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
 
 
@@ -440,24 +242,19 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
     its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``), and its units keep
     their attention outputs for the checkpointed recompute where the memory model lets them
     (``keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
-    from .cost_model import GroupBudget
-    from .dfs.buckets import PADDED_BUDGET_SCALE
-    from .dfs.graphs import walk_graphs
-    from .dfs.walk import DepthFirstWalk, resolve_dfs_backend
-
     features = attention_features(parts.causal_lm.config)
-    backend = resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
+    backend = backends.resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
                                   graphed=bool(cuda_graphs), **features)
     graphs = walk_graphs(parts, backend, features) if cuda_graphs else None
     group_tokens = None
     if chunk_size is None:
         group_tokens = GroupBudget.for_forest(
-            forest, parts.causal_lm.config.get_text_config(), _checkpointing(parts), keep_graph,
+            forest, parts.causal_lm.config.get_text_config(), checkpointing_on(parts), keep_graph,
             dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
             forward_only=forward_only)
     budget = group_tokens
     keeps = None
-    if budget is not None and not forward_only and _recomputes_kept_attention(parts, backend, keep_attention):
+    if budget is not None and not forward_only and recomputes_kept_attention(parts, backend, keep_attention):
         keeps = budget.keeps_attention
     buckets = graphs is not None and cuda_graphs == "buckets"
     if buckets and budget is not None:  # a padded group stays within the memory its budget was sized for
@@ -466,12 +263,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
             return max(int(budget(depth) * PADDED_BUDGET_SCALE), budget.floor)
 
     return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs, buckets,
-                          merge_pops=MERGE_POPS and not forward_only and not keep_graph, keeps_attention=keeps)
-
-
-def _checkpointing(parts: ModelParts) -> bool:
-    """Whether the model recomputes its layers in backward (HF activation checkpointing)."""
-    return activation_checkpointing(parts.causal_lm)
+                          merge_pops=LAYOUT.merge_pops and not forward_only and not keep_graph, keeps_attention=keeps)
 
 
 def tree_logprobs(
@@ -506,7 +298,7 @@ def tree_logprobs(
     ``memory_budget`` bytes (default: 80% of the free GPU memory; unlimited on CPU), else dfs with
     the largest chunk that fits (``trl_tree.cost_model``). ``keep_attention``: with a graph under
     gradient checkpointing, keep the packed attention's outputs for the recompute (faster, one
-    hidden-sized tensor per token and layer more; None: ``engine.KEEP_ATTENTION``, on by default).
+    hidden-sized tensor per token and layer more; None: ``layout.LAYOUT.keep_attention``, on by default).
     ``cuda_graphs=True``: a packed call that builds a graph (grad enabled) replays CUDA graphs of its
     forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default);
     ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
@@ -690,7 +482,7 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
                              "cannot (they share one memory pool, one unit's activations at a time); use "
                              "keep_graph=None or False with cuda_graphs")
         if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
-            keep_graph = _checkpointing(parts) and not cuda_graphs
+            keep_graph = checkpointing_on(parts) and not cuda_graphs
         walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget,
                          cuda_graphs=cuda_graphs, keep_attention=keep_attention)
         total = walk.backward(token_loss, keep_graph, with_entropy)
@@ -719,18 +511,3 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
     return total
 
 
-def call_token_loss(token_loss: Callable, logp: torch.Tensor | None, ent: torch.Tensor | None,
-                    values: torch.Tensor | None, seq_idx: torch.Tensor, pos: torch.Tensor, with_entropy: bool,
-                    scores_logps: bool = True) -> torch.Tensor:
-    """A loss's terms by the engine's calling convention: the scored quantity first (log-probs, or
-    the values of a value-only call), then ``seq_idx``, ``pos``, the entropies with
-    ``with_entropy``, and ``values=`` where values are read beside the log-probs; checked to be one
-    term each."""
-    if not scores_logps:
-        terms = token_loss(values, seq_idx, pos)
-        check_loss_terms(terms, values)
-        return terms
-    args = (logp, seq_idx, pos, ent) if with_entropy else (logp, seq_idx, pos)
-    terms = token_loss(*args, values=values) if values is not None else token_loss(*args)
-    check_loss_terms(terms, logp)
-    return terms

@@ -61,6 +61,7 @@ from .attention.metadata import TreeAttentionMetadata
 from .forest import PrefixForest, ScoringPlan
 from .lm_head import score_predictions
 from .model_parts import ModelParts, trainable_parameters
+from .packed import tree_forward
 
 #: graph pairs kept per model (least recently used dropped first); all share one memory pool, so
 #: a pair costs its static buffers, not a step's activations (free-length runs use several buckets)
@@ -515,8 +516,6 @@ def _sighted(runner: GraphRunner, signature: tuple) -> bool:
 def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperature: float, with_entropy: bool,
              keep: bool) -> _GraphPair:
     """Warm up, then capture the pair's forward and backward graphs into the runner's pool."""
-    from .engine import tree_forward
-
     install(parts.causal_lm.config._attn_implementation)
     meta = pair.meta
 

@@ -352,6 +352,18 @@ TREE_ATTENTION: dict[str, Callable] = {
 }
 
 
+def packed_attention(meta: TreeAttentionMetadata, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, scaling: float, window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Tree attention of the packed forest with ``meta``'s backend, ``[1, U, H, D]``; the variants
+    (``attention/support.py``) go to the backends that take them."""
+    variants = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks))
+                if value is not None}
+    if meta.kept is not None:  # only set for the partial-kernel backends, whose function takes the key
+        return TREE_ATTENTION[meta.backend](query, key, value, meta, scaling, layer=module, **variants)
+    return TREE_ATTENTION[meta.backend](query, key, value, meta, scaling, **variants)
+
+
 # ---------------------------------------------------------------------- availability / choice
 def backend_available(name: str, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether backend ``name`` can run on ``device`` with ``dtype``, and why not."""
@@ -440,4 +452,33 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, wi
     ok, why = backend_available(requested, device, dtype)
     if not ok:
         raise ValueError(why)
+    return requested
+
+
+DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
+
+
+def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
+                        softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
+                        graphed: bool = False) -> str:
+    """The walk's kernel: on CUDA in fp16/bf16 FlashAttention-4 where it was measured faster
+    (``fa4_pays``: replayed units, or a model of ``hidden_size`` at least
+    ``FA4_EAGER_MIN_HIDDEN["dfs"]``), else ``torch_flash``; ``sdpa`` elsewhere, and for a model with
+    soft-capping or sinks (which FlashAttention's partial kernels do not take)."""
+    if requested == "auto":
+        if softcap is None and not sinks and backend_available("torch_flash", device, dtype)[0]:
+            return "flash" if fa4_pays(device, dtype, hidden_size, graphed, "dfs") else "torch_flash"
+        return "sdpa"
+    if requested == "flex":
+        raise ValueError(
+            f"attn_backend={requested!r} is not available in mode='dfs' (its kernel would need the K/V "
+            f"stack interface); use one of {', '.join(DFS_BACKENDS)} or 'auto'"
+        )
+    ok, why = backend_available(requested, device, dtype)  # also rejects unknown names
+    if not ok:
+        raise ValueError(why)
+    if requested == "flash" and requested not in PARTIAL_KERNELS:
+        raise ValueError("attn_backend='flash' runs the walk with FlashAttention-4 (flash_attn.cute), whose kernels "
+                         "return and take the log-sum-exp; the installed flash-attn 2 is not used in mode='dfs': "
+                         "use 'torch_flash' or 'auto'")
     return requested

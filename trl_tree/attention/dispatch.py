@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from transformers import AttentionInterface
 
-from .metadata import TREE_KWARG, DenseCausalBatch
+from .backends import packed_attention
+from .metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
 from .support import unsupported_variant
 
 # implementation name -> the function that was registered before we wrapped it (None: model's own eager)
@@ -84,7 +85,10 @@ def tree_attention_forward(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     window = sliding_window if sliding_window is not None and sliding_window < meta.max_depth else None
     meta.calls += 1
-    out = meta.attend(module, query, key, value, scaling, window=window, softcap=softcap, sinks=s_aux)
+    if isinstance(meta, TreeAttentionMetadata):
+        out = packed_attention(meta, module, query, key, value, scaling, window=window, softcap=softcap, sinks=s_aux)
+    else:  # a unit of the walk attends over its K/V stack (``dfs/stack.py``)
+        out = meta.attend(module, query, key, value, scaling, window=window, softcap=softcap, sinks=s_aux)
     return out, None
 
 

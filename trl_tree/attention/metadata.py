@@ -176,18 +176,6 @@ class TreeAttentionMetadata:
             split = layout.to_device(self.subtree_end.device)
         return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache={}, kept=None)
 
-    def attend(self, module, query, key, value, scaling: float, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Tree attention of the packed forest with the chosen backend, ``[1, U, H, D]``; the variants
-        (``attention/support.py``) go to the backends that take them."""
-        from .backends import TREE_ATTENTION
-
-        variants = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks))
-                    if value is not None}
-        if self.kept is not None:  # only set for the partial-kernel backends, whose function takes the key
-            return TREE_ATTENTION[self.backend](query, key, value, self, scaling, layer=module, **variants)
-        return TREE_ATTENTION[self.backend](query, key, value, self, scaling, **variants)
-
     def dense_mask(self, window: int | None = None) -> torch.Tensor:
         """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends), and with
         a sliding ``window`` iff also ``depth(q) - depth(k) < window``."""

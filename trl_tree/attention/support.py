@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from . import backends
+
 #: backends whose kernels take each variant, by mode
 SOFTCAP_BACKENDS = {"packed": ("eager", "sdpa", "flex", "flash"), "dfs": ("eager", "sdpa")}
 SINK_BACKENDS = {"packed": ("eager", "sdpa"), "dfs": ("eager", "sdpa")}
@@ -55,26 +57,20 @@ def unsupported_variant(backend: str, mode: str, softcap: float | None = None, s
 def attention_refusal(model, attn_backend: str, device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
     """Why the tree cannot run ``model``'s attention with ``attn_backend`` in ``mode`` — known from the
     config before any forward — or None. ``"auto"`` is resolved as the engine would resolve it."""
-    from .backends import backend_available, resolve_backend
-
     features = attention_features(model.config)
     backend = attn_backend  # named: the variants first, on any device; then whether it runs here
     if attn_backend == "auto" and mode == "dfs":
-        from ..dfs.walk import resolve_dfs_backend
-
-        backend = resolve_dfs_backend(attn_backend, device, dtype, **features)
+        backend = backends.resolve_dfs_backend(attn_backend, device, dtype, **features)
     elif attn_backend == "auto":
-        backend = resolve_backend(attn_backend, device, dtype, **features)
+        backend = backends.resolve_backend(attn_backend, device, dtype, **features)
     why = unsupported_variant(backend, mode, features["softcap"], features["sinks"])
     if why is not None:
         return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"
     if mode == "dfs":  # the walk's own rule: which backends it takes at all, and whether this one runs here
-        from ..dfs.walk import resolve_dfs_backend
-
         try:
-            resolve_dfs_backend(backend, device, dtype, **features)
+            backends.resolve_dfs_backend(backend, device, dtype, **features)
         except ValueError as e:
             return str(e)
         return None
-    ok, reason = backend_available(backend, device, dtype)
+    ok, reason = backends.backend_available(backend, device, dtype)
     return None if ok else reason

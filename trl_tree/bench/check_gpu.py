@@ -26,7 +26,7 @@ from ..attention.backends import BACKENDS, backend_available
 from ..attention import partial
 from ..attention.partial import PARTIAL_KERNELS
 from ..attention.support import attention_refusal
-from ..dfs.walk import DFS_BACKENDS
+from ..attention.backends import DFS_BACKENDS
 from ..reference import untreed_backward, untreed_logprobs
 from ..tiny import grpo_group, random_tree, tiny_config
 from .common import add_kernels_arg, apply_kernels, dump, environment

@@ -54,6 +54,7 @@ from ..attention.dispatch import install
 from ..attention.kept import KeptAttention
 from ..lm_head import score_rows
 from ..model_parts import ModelParts, activation_checkpointing
+from ..packed import tree_forward
 from .stack import KVStack, UnitAttentionMetadata
 
 #: unit graphs kept per model (least recently used dropped first); they share one memory pool, so
@@ -265,8 +266,6 @@ class UnitReplay:
     # ------------------------------------------------------------------ capture
     def _capture(self, graph: _UnitGraph, head_grad: bool) -> None:
         """Warm up, then capture the unit's graph(s) into the runner's pool (``GraphRunner.capture``)."""
-        from ..engine import tree_forward
-
         parts, runner, meta, stack = self.parts, self.state.runner, graph.meta, self.state.stack
         install(parts.causal_lm.config._attn_implementation)
         with_entropy, temperature = self.with_entropy, self.temperature

@@ -29,48 +29,18 @@ import numpy as np
 import torch
 
 from .._device import upload
+from ..attention.backends import DFS_BACKENDS, resolve_dfs_backend  # noqa: F401  (the walk's rule, kept importable here)
 from ..attention.buckets import bucket
 from ..attention.dispatch import install
 from ..attention.kept import KeptAttention
-from ..attention.partial import PARTIAL_KERNELS
-from ..engine import call_token_loss, tree_forward
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
+from ..packed import call_token_loss, tree_forward
 from .buckets import padded_stack_size
 from .graphs import UnitReplay, WalkGraphs
 from .plan import WalkPlan, plan_walk, unit_layout
 from .stack import KVStack, UnitAttentionMetadata
-
-DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
-
-
-def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
-                        softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
-                        graphed: bool = False) -> str:
-    """The walk's kernel: on CUDA in fp16/bf16 FlashAttention-4 where it was measured faster
-    (``attention.backends.fa4_pays``: replayed units, or a model of ``hidden_size`` at least
-    ``FA4_EAGER_MIN_HIDDEN["dfs"]``), else ``torch_flash``; ``sdpa`` elsewhere, and for a model with
-    soft-capping or sinks (which FlashAttention's partial kernels do not take)."""
-    from ..attention.backends import backend_available, fa4_pays
-
-    if requested == "auto":
-        if softcap is None and not sinks and backend_available("torch_flash", device, dtype)[0]:
-            return "flash" if fa4_pays(device, dtype, hidden_size, graphed, "dfs") else "torch_flash"
-        return "sdpa"
-    if requested == "flex":
-        raise ValueError(
-            f"attn_backend={requested!r} is not available in mode='dfs' (its kernel would need the K/V "
-            f"stack interface); use one of {', '.join(DFS_BACKENDS)} or 'auto'"
-        )
-    ok, why = backend_available(requested, device, dtype)  # also rejects unknown names
-    if not ok:
-        raise ValueError(why)
-    if requested == "flash" and requested not in PARTIAL_KERNELS:
-        raise ValueError("attn_backend='flash' runs the walk with FlashAttention-4 (flash_attn.cute), whose kernels "
-                         "return and take the log-sum-exp; the installed flash-attn 2 is not used in mode='dfs': "
-                         "use 'torch_flash' or 'auto'")
-    return requested
 
 
 class DepthFirstWalk:
