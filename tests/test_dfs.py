@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_exactness import WORKLOADS
 
-from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree import PrefixForest, TreeOptions, tree_backward, tree_logprobs
 from trl_tree.attention import backends
 from trl_tree.cost_model import ActivationModel, GroupBudget
 from trl_tree.dfs.plan import plan_walk
@@ -30,11 +30,10 @@ def deep_tree(levels: int = 7, vocab: int = 96, seed: int = 0) -> list[list[int]
 
 def check_dfs(model, seqs, backend="sdpa", chunk_size=None, keep_graph=False, score_from=None, memory_budget=None):
     ref = untreed_logprobs(model, seqs, score_from=score_from)
-    assert_logps_close(tree_logprobs(model, seqs, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
-                                     score_from=score_from, memory_budget=memory_budget), ref)
+    opts = TreeOptions(attn_backend=backend, chunk_size=chunk_size, memory_budget=memory_budget, keep_graph=keep_graph)
+    assert_logps_close(tree_logprobs(model, seqs, "dfs", options=opts, score_from=score_from), ref)
     model.zero_grad(set_to_none=True)
-    loss = tree_backward(model, seqs, weighted_loss, mode="dfs", attn_backend=backend, chunk_size=chunk_size,
-                         keep_graph=keep_graph, score_from=score_from, memory_budget=memory_budget)
+    loss = tree_backward(model, seqs, weighted_loss, "dfs", options=opts, score_from=score_from)
     g_dfs = grads_of(model)
     model.zero_grad(set_to_none=True)
     loss_packed = tree_backward(model, seqs, weighted_loss, mode="packed", attn_backend=backend,

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trl_tree"
 
 #: Layers from the bottom up; a module may import only from its own layer or those below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trl_tree._device", "trl_tree._inputs", "trl_tree.forest", "trl_tree.model_parts", "trl_tree.router",
+    ("trl_tree._device", "trl_tree._inputs", "trl_tree.options", "trl_tree.forest", "trl_tree.model_parts", "trl_tree.router",
      "trl_tree.lm_head", "trl_tree.layout", "trl_tree.cost_model"),
     ("trl_tree.attention",),
     ("trl_tree.packed",),

@@ -179,6 +179,6 @@ def test_trainer_config_passes_keep_attention():
     trainer = TreeTrainerMixin()  # the mixin's own method, on a stand-in trainer's fields
     trainer.args, trainer.temperature = config, 1.0
     kwargs = trainer._mode_kwargs()
-    assert kwargs["keep_attention"] is False
+    assert kwargs["options"].keep_attention is False
     with pytest.raises(ValueError, match="tree_keep_attention must be True or False"):
         TreeGRPOConfig(**cpu, tree_keep_attention=None)

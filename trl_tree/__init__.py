@@ -13,6 +13,7 @@ import importlib
 #: public name -> the module that defines it
 _LAZY = {
     "compile_layers": ".compile", "uncompile_layers": ".compile",
+    "TreeOptions": ".options",
     "tree_backward": ".engine", "tree_logprobs": ".engine", "tree_value_backward": ".engine", "tree_values": ".engine",
     "PrefixForest": ".forest",
     **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",

@@ -31,8 +31,14 @@ def train(mode: str, steps: int, checkpoint: str, out_dir: str, num_generations:
     from transformers.utils import logging as hf_logging
 
     from .toy import TOY_PPO, reward_letter_a, toy_prompts
-    from .trainers import (TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, TreeRLOOConfig,
-                           TreeRLOOTrainer)
+    from .trainers import (
+        TreeGRPOConfig,
+        TreeGRPOTrainer,
+        TreePPOConfig,
+        TreePPOTrainer,
+        TreeRLOOConfig,
+        TreeRLOOTrainer,
+    )
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -38,6 +38,7 @@ from .model_parts import (
     model_parts,
     value_model_parts,
 )
+from .options import TreeOptions, merge_deprecated
 from .packed import (  # noqa: F401  (tree_forward, call_token_loss, TokenLoss: importable from here as before)
     TokenLoss,
     call_token_loss,
@@ -142,27 +143,20 @@ def _check_dropout(parts: ModelParts) -> None:
         )
 
 
-def _check_keep_attention(keep_attention: bool | None) -> None:
-    if keep_attention not in (None, True, False):
-        raise TypeError(f"keep_attention must be True, False or None, got {keep_attention!r}")
-
-
 def _score(
     parts: ModelParts,
     forest: PrefixForest,
     plan: ScoringPlan,
-    attn_backend: str,
+    opts: TreeOptions,
     temperature: float,
     return_entropy: bool,
     extra: tuple[np.ndarray, ...] = (),
-    keep_attention: bool | None = None,
-    cuda_graphs: bool | str = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
     """Per-term log-probs (and entropies; and values with ``parts.value_head``; a value-only call
     has no log-probs), flat in sequence order (``plan.gather`` order), and the ``extra`` int64
     arrays on the device. Every index array goes up in one copy before the forward
     (``_device.upload``): an upload after it would make the host wait for the whole forward.
-    ``cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
+    ``opts.cuda_graphs``: a call that builds a graph replays captured CUDA graphs where it can
     (``trl_tree.graphs``); where it cannot (a dense unshared batch, a layout not captured yet) the
     eager call runs on the same uploaded arrays and metadata — its choices made again where a graph
     may run other kernels than an eager call (dense blocks: ``dense_blocks``, ``tree_metadata``), so
@@ -174,12 +168,14 @@ def _score(
     if moe:
         parts.router_weights = extra_t.pop(0)
     meta = scores = checkpointing = None
+    cuda_graphs, keep_attention = opts.cuda_graphs, opts.keep_attention
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and dense_row_length(forest) is None
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
-        backend = backends.resolve_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
-                                  graphed=True, **attention_features(parts.causal_lm.config))
+        backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
+                                           hidden_size=parts.hidden_size, graphed=True,
+                                           **attention_features(parts.causal_lm.config))
         meta = tree_metadata(parts, forest, backend, graphed=True)
         checkpointing = checkpointing_on(parts)
         scores = graphed_scores(parts, forest, plan, backend, temperature, return_entropy, tokens, pred_src,
@@ -190,7 +186,7 @@ def _score(
         if scores is None and meta.dense:  # the eager call makes the eager choices, on the same arrays
             meta = tree_metadata(parts, forest, backend, rechoose=meta)
     if scores is None:
-        hidden = packed_hidden_states(parts, forest, attn_backend, tokens, keep_attention, meta, checkpointing)
+        hidden = packed_hidden_states(parts, forest, opts.attn_backend, tokens, keep_attention, meta, checkpointing)
         scores = score_rows(hidden, parts, pred_src, targets, temperature, return_entropy)
     else:
         scores = (*scores, None)
@@ -204,57 +200,50 @@ def _bucketed_inputs(parts: ModelParts, forest: PrefixForest, pred_src: np.ndarr
     length could pass its window and be refused where the real one is not)."""
     if getattr(parts.causal_lm.config, "sliding_window", None):
         return None
+
     def make():
         return BucketedLayout.pad(forest, pred_src, targets).to_device(parts.device, backend)
 
     return make
 
 
-def _check_cuda_graphs(cuda_graphs: bool | str, mode: str) -> None:
-    if not isinstance(cuda_graphs, bool) and cuda_graphs != "buckets":
-        raise TypeError(f"cuda_graphs must be True, False or 'buckets', got {cuda_graphs!r}")
-
-
-def _check_chunk_size(chunk_size: int | None) -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-
-
-def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, chunk_size: int | None,
-                  memory_budget: int | None, keep_attention: bool | None = None) -> tuple[str, int | None]:
-    """``mode="auto"``: packed when its activations fit the memory budget, else dfs (cost_model)."""
+def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, opts: TreeOptions) -> tuple[str, TreeOptions]:
+    """``mode="auto"``: packed when its activations fit the memory budget, else dfs with the largest
+    chunk that fits, unless ``opts`` names one (cost_model)."""
     if mode != "auto":
-        return mode, chunk_size
-    budget = memory_budget if memory_budget is not None else default_memory_budget(parts.device)
+        return mode, opts
+    budget = opts.memory_budget if opts.memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
-        return "packed", chunk_size
+        return "packed", opts
     choice = choose_mode(forest, parts.causal_lm.config.get_text_config(), budget, checkpointing_on(parts),
-                         keep_attention=wants_kept_attention(keep_attention))
-    return choice.mode, (chunk_size if chunk_size is not None else choice.chunk_size)
+                         keep_attention=wants_kept_attention(opts.keep_attention))
+    if opts.chunk_size is None and choice.chunk_size is not None:
+        opts = opts.replace(chunk_size=choice.chunk_size)
+    return choice.mode, opts
 
 
-def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_backend: str, temperature: float,
-              chunk_size: int | None, keep_graph: bool, memory_budget: int | None, forward_only: bool = False,
-              cuda_graphs: bool | str = False, keep_attention: bool | None = None):
-    """The walk; without ``chunk_size`` its groups are sized by the memory model (``GroupBudget``):
-    one forward+backward of the longest sequence, or ``memory_budget`` when given. ``cuda_graphs``:
-    its units replay CUDA graphs where captured (``dfs/graphs.py``). A training walk that recomputes
-    its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``), and its units keep
-    their attention outputs for the checkpointed recompute where the memory model lets them
-    (``keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
+def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: TreeOptions, temperature: float,
+              keep_graph: bool, forward_only: bool = False):
+    """The walk; without ``opts.chunk_size`` its groups are sized by the memory model (``GroupBudget``):
+    one forward+backward of the longest sequence, or ``opts.memory_budget`` when given.
+    ``opts.cuda_graphs``: its units replay CUDA graphs where captured (``dfs/graphs.py``). A training
+    walk that recomputes its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``),
+    and its units keep their attention outputs for the checkpointed recompute where the memory model
+    lets them (``opts.keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
+    cuda_graphs = opts.cuda_graphs
     features = attention_features(parts.causal_lm.config)
-    backend = backends.resolve_dfs_backend(attn_backend, parts.device, parts.compute_dtype, hidden_size=parts.hidden_size,
-                                  graphed=bool(cuda_graphs), **features)
+    backend = backends.resolve_dfs_backend(opts.attn_backend, parts.device, parts.compute_dtype,
+                                           hidden_size=parts.hidden_size, graphed=bool(cuda_graphs), **features)
     graphs = walk_graphs(parts, backend, features) if cuda_graphs else None
     group_tokens = None
-    if chunk_size is None:
+    if opts.chunk_size is None:
         group_tokens = GroupBudget.for_forest(
             forest, parts.causal_lm.config.get_text_config(), checkpointing_on(parts), keep_graph,
-            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=memory_budget, scoring=plan,
+            dtype_bytes=parts.compute_dtype.itemsize, memory_budget=opts.memory_budget, scoring=plan,
             forward_only=forward_only)
     budget = group_tokens
     keeps = None
-    if budget is not None and not forward_only and recomputes_kept_attention(parts, backend, keep_attention):
+    if budget is not None and not forward_only and recomputes_kept_attention(parts, backend, opts.keep_attention):
         keeps = budget.keeps_attention
     buckets = graphs is not None and cuda_graphs == "buckets"
     if buckets and budget is not None:  # a padded group stays within the memory its budget was sized for
@@ -262,7 +251,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, attn_b
         def group_tokens(depth: int) -> int:
             return max(int(budget(depth) * PADDED_BUDGET_SCALE), budget.floor)
 
-    return DepthFirstWalk(parts, forest, plan, backend, temperature, chunk_size, group_tokens, graphs, buckets,
+    return DepthFirstWalk(parts, forest, plan, backend, temperature, opts.chunk_size, group_tokens, graphs, buckets,
                           merge_pops=LAYOUT.merge_pops and not forward_only and not keep_graph, keeps_attention=keeps)
 
 
@@ -270,18 +259,16 @@ def tree_logprobs(
     model: torch.nn.Module,
     seqs: Sequence[SequenceLike] | PrefixForest,
     mode: str = "packed",
-    attn_backend: str = "auto",
+    *,
+    options: TreeOptions | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
     score_from: int | Sequence[int] | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-    keep_attention: bool | None = None,
-    cuda_graphs: bool | str = False,
     rope_length: int | None = None,
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
     value_head: torch.nn.Module | None = None,
+    **deprecated_knobs: object,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
     """Per-token log-probs of every sequence, computing each shared token once.
 
@@ -292,21 +279,19 @@ def tree_logprobs(
     the entropy of each scored position's distribution.
 
     ``mode="packed"``: one forward over the unique tokens; differentiable. ``mode="dfs"``: a
-    depth-first walk with a K/V stack (memory bounded by the longest path and ``chunk_size``;
-    without a chunk size, sibling subtrees are grouped up to the longest sequence's footprint, or
-    up to ``memory_budget`` bytes when given); forward only, the result carries no graph. ``mode="auto"``: packed if its activations fit
-    ``memory_budget`` bytes (default: 80% of the free GPU memory; unlimited on CPU), else dfs with
-    the largest chunk that fits (``trl_tree.cost_model``). ``keep_attention``: with a graph under
-    gradient checkpointing, keep the packed attention's outputs for the recompute (faster, one
-    hidden-sized tensor per token and layer more; None: ``layout.LAYOUT.keep_attention``, on by default).
-    ``cuda_graphs=True``: a packed call that builds a graph (grad enabled) replays CUDA graphs of its
-    forward and backward once its layout has been seen before (``trl_tree.graphs``; off by default);
-    ``cuda_graphs="buckets"``: layouts that do not repeat (free-length completions) also replay the
-    graphs of their layout padded to buckets (``attention/buckets.py``; pays where the host is the
-    bound — small models — and costs the padding elsewhere). With ``mode="dfs"`` (grad enabled or
-    not) the walk's units replay CUDA graphs once their shape has been seen before; "buckets" also
-    replays units whose shape does not repeat from the graphs of the unit padded to buckets
-    (``dfs/graphs.py``, ``dfs/buckets.py``).
+    depth-first walk with a K/V stack (memory bounded by the longest path; its calls sized by the
+    memory model or ``options.chunk_size``); forward only, the result carries no graph.
+    ``mode="auto"``: packed if its activations fit ``options.memory_budget`` bytes (default: 80% of
+    the free GPU memory; unlimited on CPU), else dfs with the largest chunk that fits
+    (``trl_tree.cost_model``).
+
+    ``options``: a :class:`trl_tree.TreeOptions` — the attention kernel, memory, kept attention and
+    CUDA graphs; none of them changes a number (``cuda_graphs=True``: a packed call that builds a
+    graph replays CUDA graphs of its forward and backward once its layout has been seen before,
+    ``trl_tree.graphs``; "buckets": layouts that do not repeat replay the graphs of their layout
+    padded to buckets; with ``mode="dfs"`` the walk's units replay theirs, ``dfs/graphs.py``). The
+    knobs were keyword arguments before (``attn_backend=``, ``chunk_size=``, …) and still are, deprecated.
+
     ``rope_length``: for a RoPE whose frequencies depend on the length (dynamic NTK, LongRoPE), the
     length they are chosen for — a trainer passes its padded batch's width, which is what the
     untreed padded forward shows them; None: the longest sequence. Other models ignore it.
@@ -317,9 +302,9 @@ def tree_logprobs(
     forward also gives ``values[i][j]``, the head at the state that predicts ``logps[i][j]``, returned
     last: ``(logps, values)`` or ``(logps, entropies, values)``.
     """
-    logp, ent, values, plan = _forward_scores(
-        model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size, memory_budget,
-        keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head, values_only=False)
+    opts = merge_deprecated(options, deprecated_knobs, "tree_logprobs", FORWARD_KNOBS)
+    logp, ent, values, plan = _forward_scores(model, seqs, mode, opts, temperature, return_entropy, score_from,
+                                              rope_length, lm_head_fp32, router, value_head, values_only=False)
     counts = plan.counts.tolist()
     out = [list(logp.split(counts))]
     if return_entropy:
@@ -334,12 +319,11 @@ def tree_values(
     seqs: Sequence[SequenceLike] | PrefixForest,
     value_head: torch.nn.Module,
     mode: str = "packed",
-    attn_backend: str = "auto",
+    *,
+    options: TreeOptions | None = None,
     score_from: int | Sequence[int] | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-    keep_attention: bool | None = None,
     rope_length: int | None = None,
+    **deprecated_knobs: object,
 ) -> list[torch.Tensor]:
     """A critic's values over the tree, each shared token computed once: ``values[i][j]`` is
     ``value_head`` applied to the final hidden state of ``seqs[i][: j + 1]`` — the state before the
@@ -347,45 +331,54 @@ def tree_values(
 
     ``model``'s backbone runs, called directly, with no LM head: a ``*ForTokenClassification``
     value model, or a causal LM (its trunk under whatever PEFT adapter is active — a critic
-    adapter). Modes and the other arguments as in :func:`tree_logprobs`; packed calls with grad
-    enabled are differentiable (the backbone's and the head's parameters)."""
-    _, _, values, plan = _forward_scores(
-        model, seqs, mode, attn_backend, 1.0, False, score_from, chunk_size, memory_budget, keep_attention, False,
-        rope_length, False, None, value_head, values_only=True)
+    adapter). Modes, ``options`` and the other arguments as in :func:`tree_logprobs` (value calls
+    run eagerly: ``options.cuda_graphs`` must be off); packed calls with grad enabled are
+    differentiable (the backbone's and the head's parameters)."""
+    opts = _value_options(merge_deprecated(options, deprecated_knobs, "tree_values", VALUE_FORWARD_KNOBS),
+                          "tree_values")
+    _, _, values, plan = _forward_scores(model, seqs, mode, opts, 1.0, False, score_from, rope_length, False, None,
+                                         value_head, values_only=True)
     return list(values.split(plan.counts.tolist()))
 
 
-def _prepared_call(model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
-                   rope_length, lm_head_fp32, router, value_head, values_only: bool):
+#: the knobs each entry point took as keyword arguments (deprecated there now)
+FORWARD_KNOBS = ("attn_backend", "chunk_size", "memory_budget", "keep_attention", "cuda_graphs")
+BACKWARD_KNOBS = (*FORWARD_KNOBS, "keep_graph")
+VALUE_FORWARD_KNOBS = ("attn_backend", "chunk_size", "memory_budget", "keep_attention")
+VALUE_BACKWARD_KNOBS = (*VALUE_FORWARD_KNOBS, "keep_graph")
+
+
+def _value_options(opts: TreeOptions, entry_point: str) -> TreeOptions:
+    if opts.cuda_graphs:
+        raise ValueError(f"{entry_point}() runs eagerly: CUDA graphs replay the policy's scoring only; "
+                         "pass options with cuda_graphs=False")
+    return opts
+
+
+def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score_from, rope_length, lm_head_fp32,
+                   router, value_head, values_only: bool):
     """What every entry point does first: check the arguments, validate the model against the
     sequences (``prepare``), resolve ``mode="auto"``, plan the scoring; returns
-    ``(parts, forest, mode, chunk_size, plan)``."""
+    ``(parts, forest, mode, opts, plan)``."""
     _check_mode(mode)
     _check_temperature(temperature)
-    _check_chunk_size(chunk_size)
-    _check_keep_attention(keep_attention)
-    _check_cuda_graphs(cuda_graphs, mode)
     parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
-    mode, chunk_size = _resolve_auto(mode, parts, forest, chunk_size, memory_budget, keep_attention)
-    return parts, forest, mode, chunk_size, forest.scoring_plan(score_from)
+    mode, opts = _resolve_auto(mode, parts, forest, opts)
+    return parts, forest, mode, opts, forest.scoring_plan(score_from)
 
 
-def _forward_scores(model, seqs, mode, attn_backend, temperature, return_entropy, score_from, chunk_size,
-                    memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, value_head,
-                    values_only: bool):
+def _forward_scores(model, seqs, mode: str, opts: TreeOptions, temperature, return_entropy, score_from, rope_length,
+                    lm_head_fp32, router, value_head, values_only: bool):
     """Flat ``(logps, entropies, values, plan)`` of :func:`tree_logprobs` / :func:`tree_values`."""
-    parts, forest, mode, chunk_size, plan = _prepared_call(
-        model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
-        rope_length, lm_head_fp32, router, value_head, values_only)
+    parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
+                                                     lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
-        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, False, memory_budget,
-                         forward_only=True, cuda_graphs=cuda_graphs)
+        walk = _dfs_walk(parts, forest, plan, opts, temperature, False, forward_only=True)
         rows = walk.logprobs(return_entropy)
         gather = torch.from_numpy(plan.gather).to(parts.device)
         logp, ent, values = (x.index_select(0, gather) if x is not None else None for x in rows)
     else:
-        logp, ent, values, _ = _score(parts, forest, plan, attn_backend, temperature, return_entropy,
-                                      keep_attention=keep_attention, cuda_graphs=cuda_graphs)
+        logp, ent, values, _ = _score(parts, forest, plan, opts, temperature, return_entropy)
     return logp, ent, values, plan
 
 
@@ -394,19 +387,16 @@ def tree_backward(
     seqs: Sequence[SequenceLike] | PrefixForest,
     token_loss: TokenLoss,
     mode: str = "packed",
-    attn_backend: str = "auto",
+    *,
+    options: TreeOptions | None = None,
     temperature: float = 1.0,
     score_from: int | Sequence[int] | None = None,
-    chunk_size: int | None = None,
-    keep_graph: bool | None = None,
-    memory_budget: int | None = None,
-    keep_attention: bool | None = None,
-    cuda_graphs: bool | str = False,
     rope_length: int | None = None,
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
+    **deprecated_knobs: object,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
 
@@ -419,25 +409,23 @@ def tree_backward(
     A non-finite loss raises ``FloatingPointError`` after the backward, naming the sequences
     whose terms are not finite (packed mode): the gradients it left are not finite either.
 
-    ``mode="dfs"``: the depth-first walk; ``chunk_size`` bounds the tokens of one call (long nodes
-    are cut, small sibling subtrees grouped up to it); without it, sibling subtrees are grouped as
-    far as the memory model (``cost_model.GroupBudget``) keeps a call within one forward+backward of
-    the longest sequence — or within ``memory_budget`` bytes when given; ``keep_graph=True`` keeps each pushed
-    node's graph until its backward instead of recomputing it (one forward less per inner node,
-    memory of the whole path); ``None`` (default) keeps it when the model uses gradient
-    checkpointing, where a kept graph is only each layer's input — the size of the K/V stack.
-    ``mode="auto"`` chooses as in :func:`tree_logprobs` from ``memory_budget``; ``keep_attention``
-    as there (packed mode under gradient checkpointing); ``cuda_graphs`` as there (the loss stays
-    eager, only the model's forward and backward are replayed; with ``mode="dfs"``, unit by unit,
-    and pushed nodes are recomputed at their pop, so ``keep_graph=True`` is refused); ``rope_length`` and
-    ``lm_head_fp32`` as there; ``router`` after ``router.set_backward(grad)``: the MoE
-    load-balancing loss's share of every piece is back-propagated with it (``trl_tree.router``).
-    ``value_head``: a critic's head on the policy's trunk, read in the same forward (see
-    :func:`tree_logprobs`); ``token_loss`` then also gets the values, as keyword ``values``.
+    ``mode`` as in :func:`tree_logprobs`; ``mode="dfs"`` walks depth-first, each call bounded by the
+    memory model (``cost_model.GroupBudget``: one forward+backward of the longest sequence, or
+    ``options.memory_budget``) or by ``options.chunk_size``. ``options`` as there, and
+    ``options.keep_graph=True`` keeps each pushed node's graph until its backward instead of
+    recomputing it (one forward less per inner node, memory of the whole path); ``None`` (default)
+    keeps it when the model uses gradient checkpointing, where a kept graph is only each layer's
+    input — the size of the K/V stack. With ``options.cuda_graphs`` the loss stays eager, only the
+    model's forward and backward are replayed; in dfs, unit by unit, pushed nodes recomputed at
+    their pop, so ``keep_graph=True`` is refused. ``rope_length``, ``lm_head_fp32`` as there;
+    ``router`` after ``router.set_backward(grad)``: the MoE load-balancing loss's share of every
+    piece is back-propagated with it (``trl_tree.router``). ``value_head``: a critic's head on the
+    policy's trunk, read in the same forward (see :func:`tree_logprobs`); ``token_loss`` then also
+    gets the values, as keyword ``values``.
     """
-    return _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_from, chunk_size, keep_graph,
-                     memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, with_entropy,
-                     value_head, values_only=False)
+    opts = merge_deprecated(options, deprecated_knobs, "tree_backward", BACKWARD_KNOBS)
+    return _backward(model, seqs, token_loss, mode, opts, temperature, score_from, rope_length, lm_head_fp32, router,
+                     with_entropy, value_head, values_only=False)
 
 
 def tree_value_backward(
@@ -446,13 +434,11 @@ def tree_value_backward(
     value_loss: TokenLoss,
     value_head: torch.nn.Module,
     mode: str = "packed",
-    attn_backend: str = "auto",
+    *,
+    options: TreeOptions | None = None,
     score_from: int | Sequence[int] | None = None,
-    chunk_size: int | None = None,
-    keep_graph: bool | None = None,
-    memory_budget: int | None = None,
-    keep_attention: bool | None = None,
     rope_length: int | None = None,
+    **deprecated_knobs: object,
 ) -> float:
     """Back-propagate ``sum_i sum_j value_loss(values[i][j], i, j)`` (the values of
     :func:`tree_values`) through a critic's backbone and ``value_head``; the contract of
@@ -460,40 +446,36 @@ def tree_value_backward(
     ``.grad``, the loss value returned). A PPO value loss is elementwise in the values — a clipped
     squared error against fixed returns, over a fixed number of tokens — so the critic's whole
     update runs in one pass, without a second forward."""
-    return _backward(model, seqs, value_loss, mode, attn_backend, 1.0, score_from, chunk_size, keep_graph,
-                     memory_budget, keep_attention, False, rope_length, False, None, False, value_head,
-                     values_only=True)
+    opts = _value_options(merge_deprecated(options, deprecated_knobs, "tree_value_backward", VALUE_BACKWARD_KNOBS),
+                          "tree_value_backward")
+    return _backward(model, seqs, value_loss, mode, opts, 1.0, score_from, rope_length, False, None, False,
+                     value_head, values_only=True)
 
 
-def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_from, chunk_size, keep_graph,
-              memory_budget, keep_attention, cuda_graphs, rope_length, lm_head_fp32, router, with_entropy, value_head,
-              values_only: bool) -> float:
+def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature, score_from, rope_length,
+              lm_head_fp32, router, with_entropy, value_head, values_only: bool) -> float:
     """:func:`tree_backward` and :func:`tree_value_backward`."""
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    parts, forest, mode, chunk_size, plan = _prepared_call(
-        model, seqs, mode, temperature, score_from, chunk_size, memory_budget, keep_attention, cuda_graphs,
-        rope_length, lm_head_fp32, router, value_head, values_only)
+    parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
+                                                     lm_head_fp32, router, value_head, values_only)
     if mode == "dfs":
-        if keep_graph is not None and not isinstance(keep_graph, bool):
-            raise TypeError(f"keep_graph must be True, False or None, got {keep_graph!r}")
-        if keep_graph and cuda_graphs:
+        keep_graph = opts.keep_graph
+        if keep_graph and opts.cuda_graphs:
             raise ValueError("keep_graph=True keeps a pushed node's graph across its subtree, which replayed units "
                              "cannot (they share one memory pool, one unit's activations at a time); use "
                              "keep_graph=None or False with cuda_graphs")
         if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
-            keep_graph = checkpointing_on(parts) and not cuda_graphs
-        walk = _dfs_walk(parts, forest, plan, attn_backend, temperature, chunk_size, keep_graph, memory_budget,
-                         cuda_graphs=cuda_graphs, keep_attention=keep_attention)
+            keep_graph = checkpointing_on(parts) and not opts.cuda_graphs
+        walk = _dfs_walk(parts, forest, plan, opts, temperature, keep_graph)
         total = walk.backward(token_loss, keep_graph, with_entropy)
         if not math.isfinite(total):
             raise FloatingPointError(f"token_loss gave a non-finite loss ({total}) in mode='dfs'; the gradients "
                                      "it left in .grad are not finite")
         return total
     with torch.enable_grad():
-        logp, ent, values, (seq_idx, pos) = _score(parts, forest, plan, attn_backend, temperature, with_entropy,
-                                                   extra=(plan.seq_idx, plan.pos), keep_attention=keep_attention,
-                                                   cuda_graphs=cuda_graphs)
+        logp, ent, values, (seq_idx, pos) = _score(parts, forest, plan, opts, temperature, with_entropy,
+                                                   extra=(plan.seq_idx, plan.pos))
         terms = call_token_loss(token_loss, logp, ent, values, seq_idx, pos, with_entropy, parts.scores_logps)
         loss = terms.sum()
         router_term = router.take_term() if router is not None else None
@@ -509,5 +491,3 @@ def _backward(model, seqs, token_loss, mode, attn_backend, temperature, score_fr
             f"{' ...' if len(bad) > 16 else ''}; the gradients it left in .grad are not finite"
         )
     return total
-
-

@@ -21,12 +21,12 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import engine, tree_backward, tree_logprobs
-from ..attention.backends import BACKENDS, backend_available
+from .. import TreeOptions, tree_backward, tree_logprobs
 from ..attention import partial
+from ..attention.backends import BACKENDS, DFS_BACKENDS, backend_available
 from ..attention.partial import PARTIAL_KERNELS
 from ..attention.support import attention_refusal
-from ..attention.backends import DFS_BACKENDS
+from ..layout import layout_choices
 from ..reference import untreed_backward, untreed_logprobs
 from ..tiny import grpo_group, random_tree, tiny_config
 from .common import add_kernels_arg, apply_kernels, dump, environment
@@ -72,7 +72,7 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
         kw = {"chunk_size": 64}
     elif mode == "dfs-budget":  # groups sized by the memory model: merged pops, units keeping their attention
         mode, kw, train_kw = "dfs", {"memory_budget": _walk_budget(model, seqs)}, {"keep_graph": False}
-    with engine.layout_choices(root_split=root_split):
+    with layout_choices(root_split=root_split):
         if graphs:  # eager at the first call, captured at the second, checked on a replay
             from .. import graphs as graph_module
 
@@ -82,19 +82,20 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
                 kind = "buckets" if graphs == "buckets" else True
                 for _ in range(3):
                     model.zero_grad(set_to_none=True)
-                    tree_backward(model, seqs, _token_loss, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw,
-                                  **train_kw)
+                    tree_backward(model, seqs, _token_loss, mode,
+                                  options=TreeOptions(attn_backend=backend, cuda_graphs=kind, **kw, **train_kw))
                 grads = _grads(model)
                 # packed: the same graphs, replayed; dfs: the forward-only walk's own unit graphs (eager,
                 # captured, replayed)
                 for _ in range(3 if mode == "dfs" else 1):
-                    logps = tree_logprobs(model, seqs, attn_backend=backend, cuda_graphs=kind, mode=mode, **kw)
+                    logps = tree_logprobs(model, seqs, mode,
+                                          options=TreeOptions(attn_backend=backend, cuda_graphs=kind, **kw))
             finally:
                 graph_module.EXACT_LAYOUTS = saved
             return [lp.detach() for lp in logps], grads
         with torch.no_grad():
-            logps = tree_logprobs(model, seqs, attn_backend=backend, mode=mode, **kw)
-        tree_backward(model, seqs, _token_loss, attn_backend=backend, mode=mode, **kw, **train_kw)
+            logps = tree_logprobs(model, seqs, mode, options=TreeOptions(attn_backend=backend, **kw))
+        tree_backward(model, seqs, _token_loss, mode, options=TreeOptions(attn_backend=backend, **kw, **train_kw))
     return [lp.detach() for lp in logps], _grads(model)
 
 

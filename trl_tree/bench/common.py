@@ -162,7 +162,7 @@ def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[s
     FlashAttention), all with the loss ``-Σ adv_i·logp / n_terms`` over the tokens from
     ``score_from`` on: the paths the host-overhead, compiled-layer and CUDA-graph comparisons time
     (``packed_graphs``: the packed step replaying CUDA graphs from its second call on)."""
-    from .. import PrefixForest, tree_backward
+    from .. import PrefixForest, TreeOptions, tree_backward
 
     forest = PrefixForest.from_sequences(seqs)
     n_terms = sum(len(s) - score_from for s in seqs)
@@ -171,8 +171,8 @@ def step_paths(model, seqs, score_from: int, advantages: torch.Tensor) -> dict[s
         return -lp * advantages[seq_idx] / n_terms
 
     def tree(mode, cuda_graphs=False):
-        return lambda: tree_backward(model, forest, token_loss, mode=mode, attn_backend="torch_flash",
-                                     score_from=score_from, cuda_graphs=cuda_graphs)
+        return lambda: tree_backward(model, forest, token_loss, mode=mode, score_from=score_from,
+                                     options=TreeOptions(attn_backend="torch_flash", cuda_graphs=cuda_graphs))
 
     return {"trl_padded": padded_step(model, seqs, advantages, score_from, n_terms), "packed": tree("packed"),
             "dfs": tree("dfs"), "packed_graphs": tree("packed", cuda_graphs=True)}

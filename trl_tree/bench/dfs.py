@@ -19,7 +19,7 @@ import argparse
 import numpy as np
 import torch
 
-from .. import PrefixForest, tree_backward
+from .. import PrefixForest, TreeOptions, tree_backward
 from ..cost_model import GroupBudget
 from ..dfs.plan import plan_walk
 from ..tiny import grpo_group
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         def tree(mode, **kw):
             def step():
                 model.zero_grad(set_to_none=False)
-                tree_backward(model, seqs, token_loss, mode=mode, score_from=score_from, **kw)
+                tree_backward(model, seqs, token_loss, mode, score_from=score_from, options=TreeOptions(**kw))
             return step
 
         longest = int(np.argmax([len(s) for s in seqs]))

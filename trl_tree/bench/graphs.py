@@ -27,8 +27,16 @@ import numpy as np
 import torch
 
 from .. import PrefixForest
-from .common import (add_kernels_arg, bench_model, environment, parameter_grads, relative_difference, step_flops,
-                     step_paths, time_cuda)
+from .common import (
+    add_kernels_arg,
+    bench_model,
+    environment,
+    parameter_grads,
+    relative_difference,
+    step_flops,
+    step_paths,
+    time_cuda,
+)
 from .profile import gpu_busy, gpu_ms_by_kind, kernel_table, profile_step
 from .suite import _costs
 from .workloads import suite_workloads

@@ -24,10 +24,20 @@ import argparse
 import numpy as np
 import torch
 
-from .. import PrefixForest, engine, tree_backward
+from .. import PrefixForest, TreeOptions, tree_backward
 from ..attention.backends import backend_available
+from ..layout import layout_choices
 from ..tiny import grpo_group
-from .common import StepCost, add_grpo_shape_args, add_kernels_arg, bench_model, dump, environment, step_flops, time_cuda
+from .common import (
+    StepCost,
+    add_grpo_shape_args,
+    add_kernels_arg,
+    bench_model,
+    dump,
+    environment,
+    step_flops,
+    time_cuda,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     def tree(backend, the_forest=None):
         def step():
             model.zero_grad(set_to_none=False)
-            with engine.layout_choices(dense_unshared_batches=the_forest is None):  # padding-free stays varlen
+            with layout_choices(dense_unshared_batches=the_forest is None):  # padding-free stays varlen
                 return tree_backward(model, the_forest if the_forest is not None else seqs, token_loss,
-                                     attn_backend=backend, score_from=P)
+                                     score_from=P, options=TreeOptions(attn_backend=backend))
         return step
 
     baseline_cost = StepCost(T, n_terms, sum(L * (L + 1) // 2 for L in forest.seq_lengths.tolist()))

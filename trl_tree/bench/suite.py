@@ -24,10 +24,12 @@ import os
 import numpy as np
 import torch
 
-from .. import PrefixForest, engine, tree_backward
+from .. import PrefixForest, TreeOptions, tree_backward
+from .. import packed as packed_pass
 from ..attention.backends import resolve_backend
 from ..attention.metadata import use_root_split
 from ..attention.root_split import RootSplitLayout
+from ..layout import layout_choices
 from ..model_parts import model_parts
 from .common import (
     StepCost,
@@ -43,7 +45,6 @@ from .common import (
 from .profile import gpu_ms_by_kind, kernel_table, profile_step
 from .trie_packer import trie_packer_available, trie_packer_step
 from .workloads import suite_workloads
-
 
 #: what ``--profile`` profiles by default: the baselines and the packed tree
 PROFILED_PATHS = frozenset({"trl_padded", "per_sequence", "tree_packed"})
@@ -86,15 +87,16 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
              merge_pops=True, **kw):
         def step():
             # padding-free = varlen packing, even when unshared
-            with engine.layout_choices(dense_unshared_batches=not varlen, root_split=root_split,
+            with layout_choices(dense_unshared_batches=not varlen, root_split=root_split,
                                        keep_attention=keep_attention, merge_pops=merge_pops):
-                tree_backward(model, the_forest, token_loss, mode=mode, attn_backend=backend, score_from=P, **kw)
+                tree_backward(model, the_forest, token_loss, mode, score_from=P,
+                              options=TreeOptions(attn_backend=backend, **kw))
         return step
 
     layout = RootSplitLayout.from_forest(forest)
     parts = model_parts(model)
     eager_backend = resolve_backend(backends[0], parts.device, parts.compute_dtype, hidden_size=parts.hidden_size)
-    dense = engine.dense_blocks(parts, eager_backend)
+    dense = packed_pass.dense_blocks(parts, eager_backend)
     split = layout is not None and use_root_split(forest, layout, dense)  # what the engine decides
     base_path = "per_sequence" if w.per_sequence_baseline else "trl_padded"
     sampled = w.baseline_sample if w.per_sequence_baseline and w.baseline_sample else len(seqs)

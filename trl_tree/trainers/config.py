@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
 
+from ..options import TreeOptions
+
 TREE_MODES = ("packed", "dfs", "off")
 TREE_SHUFFLES = ("auto", "groups", "rows")
 TREE_WINDOWS = ("auto", "accumulation", "micro_step")
@@ -124,6 +126,17 @@ class TreeArguments:
                   "free-length completions); on larger models the padding costs more than it saves "
                   "(docs/benchmarks/README.md, CUDA graphs)."},
     )
+
+    def tree_options(self) -> TreeOptions:
+        """The engine's ``TreeOptions`` these fields map to (the knobs of every tree call)."""
+        return TreeOptions(
+            attn_backend=self.tree_attn_backend,
+            chunk_size=self.tree_chunk_size,
+            memory_budget=self.tree_memory_budget,
+            keep_graph=self.tree_keep_graph,
+            keep_attention=self.tree_keep_attention,
+            cuda_graphs=("buckets" if self.tree_cuda_graph_buckets else True) if self.tree_cuda_graphs else False,
+        )
 
     def _default_to_cpu(self) -> None:
         """On a machine with no accelerator, train on the CPU in fp32 unless told otherwise. TRL's
@@ -284,8 +297,8 @@ class TreePPOConfig(GRPOConfig, TreeArguments):
                 raise
 
     def _check_ppo_fields(self) -> None:
-        from .critic import CRITIC_KINDS
         from .advantages import KL_ESTIMATORS
+        from .critic import CRITIC_KINDS
 
         if self.critic not in CRITIC_KINDS:
             raise ValueError(f"critic must be one of {CRITIC_KINDS}, got {self.critic!r}")

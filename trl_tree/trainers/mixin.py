@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
+from ..attention.support import attention_refusal
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
-from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..forest import PrefixForest
-from ..attention.support import attention_refusal
+from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from .bridge import bridge
+from .exchange import RankExchange
 from .grad_sync import average_gradients
 from .grouping import group_cost, plan_windows, prompt_groups, split_into_calls, stock_order, take_rows
-from .exchange import RankExchange
 from .rows import PaddedRows
 from .window import TreeWindow
 
@@ -101,7 +101,7 @@ class TreeTrainerMixin:
                 "right ones and differ from stock TRL's for padded rows (docs/trainers.md)",
                 stacklevel=3,
             )
-        if self._cuda_graphs() and self._sharded():
+        if self.args.tree_cuda_graphs and self._sharded():
             raise ValueError(
                 f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
@@ -581,14 +581,7 @@ class TreeTrainerMixin:
         as the two-pass backward does): accumulated over the micro-steps, then averaged once, which
         is what DDP's ``no_sync`` accumulation gives.
         """
-        return bool(self._cuda_graphs()) and self.accelerator.num_processes > 1
-
-    def _cuda_graphs(self) -> bool | str:
-        """The engine's ``cuda_graphs`` for this trainer's calls: False (off), True, or ``"buckets"``
-        (``tree_cuda_graph_buckets``: packed layouts and the walk's units padded to buckets)."""
-        if not self.args.tree_cuda_graphs:
-            return False
-        return "buckets" if self.args.tree_cuda_graph_buckets else True
+        return self.args.tree_cuda_graphs and self.accelerator.num_processes > 1
 
     def _tree_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      batch_size: int | None) -> tuple[PaddedRows, list[list[int]], list[PrefixForest]]:
@@ -642,15 +635,8 @@ class TreeTrainerMixin:
             )
 
     def _mode_kwargs(self) -> dict:
-        return dict(
-            mode=self.args.tree_mode,
-            attn_backend=self.args.tree_attn_backend,
-            temperature=self.temperature,
-            chunk_size=self.args.tree_chunk_size,
-            memory_budget=self.args.tree_memory_budget,
-            keep_attention=self.args.tree_keep_attention,
-            cuda_graphs=self._cuda_graphs(),
-        )
+        """The mode, the sampling temperature and the config's ``TreeOptions`` of every policy call."""
+        return {"mode": self.args.tree_mode, "temperature": self.temperature, "options": self.args.tree_options()}
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None,
                      value_head=None):
@@ -711,7 +697,6 @@ class TreeTrainerMixin:
                     return terms if values is None else terms + values * value_weights[index]
 
                 tree_backward(model, forest, token_loss, score_from=rows.subset(call)[1],
-                              keep_graph=self.args.tree_keep_graph,
                               with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         if sync:
             self._sync_gradients(model)

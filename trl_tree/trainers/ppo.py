@@ -291,8 +291,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 def value_loss(v, seq_idx, pos, weights=weights, term_index=term_index):
                     return v * weights[term_index(seq_idx, pos)]
 
-                tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1],
-                                    keep_graph=self.args.tree_keep_graph, **kwargs)
+                tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1], **kwargs)
 
     def _window_values(self, window, micro: int, policy, model, head) -> torch.Tensor:
         """The critic's values of micro-step ``micro`` from the accumulation window's trees (the
@@ -317,11 +316,10 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         return bridge(values, None, keep)[0]
 
     def _value_kwargs(self, width: int) -> dict:
-        kwargs = self._mode_kwargs()
-        for name in ("temperature", "cuda_graphs"):
-            kwargs.pop(name)
-        kwargs["rope_length"] = width
-        return kwargs
+        """The critic's calls: the policy's mode and options, run eagerly (CUDA graphs replay the
+        policy's scoring only), at the padded batch's width."""
+        return {"mode": self.args.tree_mode, "options": self.args.tree_options().replace(cuda_graphs=False),
+                "rope_length": width}
 
     def _padded_values(self, model, head, input_ids, attention_mask, logits_to_keep: int,
                        batch_size: int | None) -> torch.Tensor:
