@@ -1,0 +1,290 @@
+"""What every tree trainer needs, whatever it trains on: a micro-batch's rows as forests, their
+scoring through the engine, and the engine's backward.
+
+Why a mixin of its own: the online RL trainers (GRPO, RLOO, PPO: ``mixin.py`` adds accumulation
+windows, placement of trees on ranks, the group-preserving shuffle and the old/reference passes)
+and the offline ones (SFT, DPO) share exactly this — the padded batch cut into tree calls, each
+call a ``PrefixForest``, log-probs scattered back into the padded layout, the second pass that
+back-propagates per-token weights through the tree, gradients synchronised by hand where the
+engine's backward did not run through the distributed wrapper, and the construction-time refusals
+of what the tree cannot compute exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from ..attention.support import attention_refusal
+from ..compile import compile_layers
+from ..engine import tree_backward, tree_logprobs
+from ..forest import PrefixForest
+from ..fsdp import gathered, root_unsharded
+from ..model_parts import active_dropout, model_parts, trainable_parameters
+from .grad_sync import average_gradients
+from .grouping import group_cost, split_into_calls
+from .rows import PaddedRows
+
+
+class TreeCallsMixin:
+    """Mixed in before a TRL trainer; the trainer calls ``_setup_tree()`` at the end of its ``__init__``."""
+
+    # ------------------------------------------------------------------ construction
+    def _setup_tree(self) -> None:
+        """Refuse what the tree cannot compute, compile the layers where asked."""
+        self._tree_sync_pending = False
+        self._tree_layout_cache = None
+        self._tree_fsdp_pending = False  # FSDP2: gradients of the engine's backward await their reduction
+        self._check_tree_support()
+        if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
+            for model in (self.model, getattr(self, "ref_model", None)):
+                if model is not None:
+                    compile_layers(self.accelerator.unwrap_model(model))
+
+    def _check_tree_support(self) -> None:
+        """Refuse, at construction, what the tree cannot compute exactly — never a wrong number later."""
+        args = self.args
+        name = type(self).__name__
+        if args.tree_mode == "off":
+            return
+        if getattr(self, "_is_vlm", False):
+            raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
+        parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
+        self._refuse_dropout(self.model, "the model")
+        # the precision the steps run in: bf16/fp16 mixed precision runs them under autocast
+        compute_dtype = parts.compute_dtype_under(torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None)
+        why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, compute_dtype, args.tree_mode)
+        if why is not None:
+            raise ValueError(f"{name}: {why}")
+        if parts.absolute_positions:
+            warnings.warn(
+                f"{name}: {type(parts.causal_lm).__name__} has absolute position embeddings. The tree gives every token "
+                "its true position (its depth), as generation does; stock TRL's training forward passes no position "
+                "ids, so a left-padded prompt's tokens sit at shifted positions there. The tree's log-probs are the "
+                "right ones and differ from stock TRL's for padded rows (docs/trainers.md)",
+                stacklevel=3,
+            )
+        if self.args.tree_cuda_graphs and self._sharded():
+            raise ValueError(
+                f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
+                f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
+                "tree_cuda_graphs=False"
+            )
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) if self._sharded() else None
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            raise ValueError(
+                f"{name}: DeepSpeed ZeRO-3 keeps only a partition of each parameter outside its module's forward, and "
+                "the tree scores the LM head from its weight after the model's forward (TRL's fused head), where "
+                "ZeRO-3 would hand it an empty partition (measured: a non-finite loss). Use FSDP2 "
+                "(examples/accelerate/fsdp2.yaml: every tree mode) or ZeRO-2, or tree_mode='off'"
+            )
+        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+        unsupported = self._sharded() and not self._fsdp2()
+        if two_pass and unsupported:
+            raise ValueError(
+                f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
+                f"gradients themselves, which is done for DDP and FSDP2, not {self._wrapper_name()}; use "
+                "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)"
+            )
+        self._check_trainer_support()
+
+    def _check_trainer_support(self) -> None:
+        """What a kind of trainer refuses besides (its batch layouts, its settings); nothing here."""
+
+    def _sharded(self) -> bool:
+        """FSDP or DeepSpeed: they own the gradients' reduction, which the engine's own backward
+        (dfs, budgets, windows, graphs) does by hand for DDP only."""
+        return self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP")
+
+    def _fsdp2(self) -> bool:
+        """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.fsdp``
+        (parameters gathered once per walk, one reduce per optimizer step)."""
+        return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
+
+    def _wrapper_name(self) -> str:
+        kind = self.accelerator.distributed_type.value
+        return "FSDP1 (fsdp_version: 1)" if kind == "FSDP" else kind
+
+    def _refuse_dropout(self, model: torch.nn.Module, what: str) -> None:
+        """Refuse ``model`` (the policy, a value model) with active dropout, at construction."""
+        dropout = active_dropout(model)
+        if dropout:
+            raise ValueError(
+                f"{type(self).__name__}: dropout is active in {what} ({', '.join(dropout[:4])}"
+                f"{' ...' if len(dropout) > 4 else ''}); the tree computes a shared token once and cannot draw one "
+                "dropout mask per sequence as the untreed batch does. Set disable_dropout=True (it zeroes nn.Dropout "
+                "modules; TRL leaves them on by default) and the config's attention_dropout to 0, or use "
+                "tree_mode='off'"
+            )
+
+    def _call_kwargs(self, rope_length: int) -> dict:
+        """What a tree call of the policy takes besides the mode: the width stock's padded forward shows
+        a length-dependent RoPE, and TRL's ``cast_lm_head_to_fp32``."""
+        return dict(rope_length=rope_length, lm_head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
+
+    def _joint_value_head(self):
+        """A value head to read in the same forward as the policy's log-probs (a critic on the
+        policy's trunk, ``TreePPOTrainer``); the values land in ``_tree_joint_values``. None here."""
+        return None
+
+    def _router(self):
+        """A collector of the MoE load-balancing loss over the tree (``trl_tree.router``)."""
+        from ..router import RouterAux
+
+        config = self.model.config.get_text_config()
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        return RouterAux(num_experts, config.num_experts_per_tok)
+
+    def _graphs_by_hand(self) -> bool:
+        """Whether the policy's tree call runs on the unwrapped model, its gradients averaged by hand.
+
+        With ``tree_cuda_graphs`` and several processes: a replayed backward cannot run DDP's
+        gradient hooks (they would run only while capturing), so the call bypasses DDP's forward —
+        its eager fallback too, so that every rank takes the same path whatever it has captured —
+        and ``training_step`` averages the gradients at each synchronising step (``_sync_gradients``,
+        as the two-pass backward does): accumulated over the micro-steps, then averaged once, which
+        is what DDP's ``no_sync`` accumulation gives.
+        """
+        return self.args.tree_cuda_graphs and self.accelerator.num_processes > 1
+
+    def _tree_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     batch_size: int | None) -> tuple[PaddedRows, list[list[int]], list[PrefixForest]]:
+        """The rows of a padded batch, cut into tree calls (``_tree_calls``) and built into forests —
+        once for the same rollouts: the old-policy, reference (and critic) passes of a generation
+        batch, and the policy (and critic) passes of a micro-batch's loss, reuse the last layout
+        when their tokens, mask and chunking are the same."""
+        key = (logits_to_keep, batch_size, tuple(input_ids.shape))
+        cached = self._tree_layout_cache
+        if (cached is not None and cached[0] == key and torch.equal(cached[1], input_ids)
+                and torch.equal(cached[2], attention_mask)):
+            return cached[3]
+        rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
+        calls = self._tree_calls(rows, batch_size)
+        layout = rows, calls, [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        self._tree_layout_cache = (key, input_ids, attention_mask, layout)
+        return layout
+
+    def _tree_calls(self, rows: PaddedRows, batch_size: int | None) -> list[list[int]]:
+        """Rows of each tree call: one call, cut by ``tree_token_budget`` when set; under no_grad
+        TRL's ``batch_size`` chunks bound memory as in TRL (groups kept together by sorting)."""
+        seqs = [s.tolist() for s in rows.sequences]
+        budget = self.args.tree_token_budget
+        calls = split_into_calls(seqs, budget)
+        if budget is not None and len(calls) > 1:  # one call holds every group whole
+            self._warn_budget_splits_groups(seqs, rows.score_from, budget)
+        if budget is None and batch_size is not None and batch_size < len(seqs):
+            order = calls[0]
+            calls = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        return calls
+
+    def _warn_budget_splits_groups(self, seqs: list[list[int]], score_from: list[int], budget: int) -> None:
+        """Warn once when ``tree_token_budget`` cuts prompt groups apart: their prompts are then
+        computed once per call (T/U falls towards 1 where the budget is below one sequence)."""
+        if getattr(self, "_tree_budget_warned", False):
+            return
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (seq, first) in enumerate(zip(seqs, score_from)):
+            groups.setdefault(tuple(seq[:first]), []).append(i)
+        completion_len = [len(seq) - first for seq, first in zip(seqs, score_from)]
+        needed = max(group_cost(rows, score_from, completion_len) for rows in groups.values())
+        if needed > budget:
+            self._tree_budget_warned = True
+            longest = max(len(s) for s in seqs)
+            warnings.warn(
+                f"tree_token_budget={budget} is smaller than a prompt group's unique tokens (up to {needed}"
+                f"{'; one sequence alone has ' + str(longest) if longest > budget else ''}): groups are cut into "
+                f"several calls and their prompts computed once per call{', T/U = 1' if longest > budget else ''}. "
+                f"A budget of at least {needed} keeps every group in one call",
+                stacklevel=2,
+            )
+
+    def _mode_kwargs(self) -> dict:
+        """The mode, the sampling temperature and the config's ``TreeOptions`` of every policy call."""
+        return {"mode": self.args.tree_mode, "temperature": getattr(self, "temperature", 1.0),
+                "options": self.args.tree_options()}
+
+    def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None,
+                     value_head=None):
+        """Padded ``(logps, entropies or None, values or None)`` of the rows, call by call."""
+        lps, ents, vals = [], [], []
+        kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
+        if value_head is not None:  # the graphs replay the LM head only
+            kwargs["options"] = kwargs["options"].replace(cuda_graphs=False)
+        keep_root = root_unsharded(model, reshard_after=no_graph or not torch.is_grad_enabled()) if self._fsdp2() \
+            else contextlib.nullcontext()
+        with torch.no_grad() if no_graph else contextlib.nullcontext(), keep_root:
+            for call, forest in zip(calls, forests):
+                out = tree_logprobs(model, forest, return_entropy=compute_entropy,
+                                    score_from=rows.subset(call)[1], router=router, value_head=value_head, **kwargs)
+                out = list(out) if isinstance(out, tuple) else [out]
+                lps.append(torch.cat(out.pop(0)))
+                if compute_entropy:
+                    ents.append(torch.cat(out.pop(0)))
+                if value_head is not None:
+                    vals.append(torch.cat(out.pop(0)))
+        logps = rows.to_padded(lps, calls)
+        entropies = rows.to_padded(ents, calls) if compute_entropy else None
+        values = rows.to_padded(vals, calls) if value_head is not None else None
+        return logps, entropies, values
+
+    def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
+                       grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
+                       call_kwargs: dict | None = None, value_head=None, grad_values: torch.Tensor | None = None,
+                       sync: bool = True) -> None:
+        """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp`` (and
+        ``grad_entropies = dLoss/dentropy`` for an entropy bonus; ``grad_aux`` for the MoE
+        load-balancing loss collected in ``router``; ``grad_values = dLoss/dvalue`` for the values
+        of ``value_head`` read in the same forward)."""
+        kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
+        with_entropy = grad_entropies is not None
+        if value_head is not None:
+            kwargs["options"] = kwargs["options"].replace(cuda_graphs=False)
+            if grad_values is None:
+                grad_values = torch.zeros_like(grad)
+        if router is not None:
+            if grad_aux is None:
+                router = None  # the loss does not depend on it
+            else:
+                router.set_backward(grad_aux)
+        with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
+            for call, forest in zip(calls, forests):
+                where, term_index = rows.call_terms(call)
+                weights = grad[where].float()  # flat, in the call's (row, token) order
+                ent_weights = grad_entropies[where].float() if with_entropy else None
+                value_weights = grad_values[where].float() if value_head is not None else None
+
+                def token_loss(lp, seq_idx, pos, ent=None, values=None, weights=weights, ent_weights=ent_weights,
+                               value_weights=value_weights, term_index=term_index):
+                    index = term_index(seq_idx, pos)
+                    terms = lp * weights[index]
+                    if ent is not None:
+                        terms = terms + ent * ent_weights[index]
+                    return terms if values is None else terms + values * value_weights[index]
+
+                tree_backward(model, forest, token_loss, score_from=rows.subset(call)[1],
+                              with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
+        if sync:
+            self._sync_gradients(model)
+
+    def _sync_gradients(self, model) -> None:
+        """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
+        (``grad_sync.average_gradients``: bucket by bucket, not one flat copy of every gradient).
+        Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.fsdp.gathered``);
+        their one reduction runs in ``training_step``, outside autograd's backward."""
+        if self._fsdp2():
+            self._tree_fsdp_pending = True
+            return
+        if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
+            return
+        average_gradients(trainable_parameters(model), self.accelerator.num_processes)
+
+    def _log_forests(self, forests: list[PrefixForest]) -> None:
+        mode = "train" if self.model.training else "eval"
+        total = sum(f.num_tokens for f in forests)
+        unique = sum(f.num_unique_tokens for f in forests)
+        self._metrics[mode]["tree/total_tokens"].append(float(total))
+        self._metrics[mode]["tree/unique_tokens"].append(float(unique))
+        self._metrics[mode]["tree/dedup_ratio"].append(total / max(unique, 1))
+        self._metrics[mode]["tree/calls"].append(float(len(forests)))
