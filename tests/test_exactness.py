@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_tree import PrefixForest, packed, tree_backward, tree_logprobs
+from trl_tree import PrefixForest, cost_model, packed, tree_backward, tree_logprobs
+from trl_tree.layout import LAYOUT
 from trl_tree.reference import untreed_backward, untreed_logprobs
 from trl_tree.tiny import FAMILIES, grpo_group, random_tree, tiny_model
 
@@ -116,20 +118,52 @@ def test_random_forests(qwen2, seqs, backend):
     check_exact(qwen2, seqs, backend)
 
 
+def _recording_padded(monkeypatch) -> list:
+    original, calls = packed._padded_hidden_states, []
+
+    def recording(parts, batch, tokens=None):
+        calls.append(batch)
+        return original(parts, batch, tokens)
+
+    monkeypatch.setattr(packed, "_padded_hidden_states", recording)
+    return calls
+
+
 def test_unshared_equal_lengths_run_as_a_dense_batch(qwen2, monkeypatch):
-    """No sharing and one length: the model's own causal attention over a (B, L) batch, exact; with
-    sharing or ragged lengths the tree layout is used."""
+    """No sharing and one length: the model's own causal attention over a (B, L) batch that is the
+    packed layout itself (nothing gathered), exact."""
+    calls = _recording_padded(monkeypatch)
+    check_exact(qwen2, WORKLOADS["no_sharing_equal_lengths"], "sdpa")
+    assert calls and all(b.length == 5 and b.rows is None for b in calls)
 
-    seqs = WORKLOADS["no_sharing_equal_lengths"]
-    assert packed.dense_row_length(PrefixForest.from_sequences(seqs)) == 5
-    assert packed.dense_row_length(PrefixForest.from_sequences(WORKLOADS["no_sharing"])) is None
-    assert packed.dense_row_length(PrefixForest.from_sequences(WORKLOADS["duplicates"])) is None
-    original, calls = packed._dense_hidden_states, []
 
-    def recording(*args):
-        calls.append(args[2])
-        return original(*args)
+@pytest.mark.parametrize("score_from", [None, 3])
+def test_little_sharing_runs_as_stocks_padded_batch(qwen2, monkeypatch, score_from):
+    """Padded tokens within ``PADDED_BATCH_MAX_RATIO`` of the unique ones (ragged lengths, a shared
+    first token, a duplicate): the right-padded batch, each unique token read at its first
+    occurrence — exact log-probs and gradients."""
+    rng = np.random.default_rng(0)
+    seqs = [[first, *rng.integers(1, 90, length - 1).tolist()] for first, length in ((5, 48), (5, 48), (7, 47), (9, 48))]
+    forest = PrefixForest.from_sequences(seqs)
+    assert forest.num_unique_tokens == forest.num_tokens - 1 and cost_model.runs_padded(forest)
+    calls = _recording_padded(monkeypatch)
+    check_exact(qwen2, seqs, "sdpa", score_from=score_from)
+    assert calls and all(b.length == 48 and b.rows is not None for b in calls)
 
-    monkeypatch.setattr(packed, "_dense_hidden_states", recording)
-    check_exact(qwen2, seqs, "sdpa")
-    assert calls and set(calls) == {5}
+
+def test_the_padded_batch_rule(qwen2, monkeypatch):
+    """One rule decides (``cost_model.runs_padded``): batches with something to save keep the tree,
+    a MoE router keeps it (its loss would count the padding), and the layout switch turns it off."""
+    def ratio(seqs):
+        f = PrefixForest.from_sequences(seqs)
+        return f.num_sequences * f.max_depth / f.num_unique_tokens
+
+    assert ratio(WORKLOADS["duplicates"]) > cost_model.PADDED_BATCH_MAX_RATIO
+    assert not cost_model.runs_padded(PrefixForest.from_sequences(WORKLOADS["duplicates"]))
+    assert not cost_model.runs_padded(PrefixForest.from_sequences(WORKLOADS["no_sharing"]))  # ragged: padding
+    equal = PrefixForest.from_sequences(WORKLOADS["no_sharing_equal_lengths"])
+    assert cost_model.runs_padded(equal) and not cost_model.runs_padded(equal, router=True)
+    monkeypatch.setattr(LAYOUT, "dense_unshared_batches", False)
+    calls = _recording_padded(monkeypatch)
+    check_exact(qwen2, WORKLOADS["no_sharing_equal_lengths"], "sdpa")
+    assert not calls

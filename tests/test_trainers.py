@@ -142,10 +142,11 @@ def test_tree_mode_off_is_trl_bit_for_bit(checkpoint):
 def test_metrics_logged(checkpoint):
     _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, max_steps=1, gradient_accumulation_steps=1)
     logs = trainer.state.log_history[0]
-    for key in ("tree/dedup_ratio", "tree/unique_tokens", "tree/total_tokens", "tree/fwd_bwd_time"):
+    for key in ("tree/dedup_ratio", "tree/unique_tokens", "tree/total_tokens", "tree/fwd_bwd_time", "tree/padded_calls"):
         assert key in logs, key
     assert logs["tree/total_tokens"] > logs["tree/unique_tokens"] > 0
     assert logs["tree/dedup_ratio"] == pytest.approx(logs["tree/total_tokens"] / logs["tree/unique_tokens"])
+    assert logs["tree/padded_calls"] == 0  # GRPO groups share their prompts: the tree pays
 
 
 @pytest.mark.parametrize("mode", ["packed", "dfs"])

@@ -20,7 +20,8 @@ Analytic, from the model's config (documented in docs/architecture.md, "Choosing
   (``3·intermediate + 3·hidden`` values per token: the MLP's activation, up projection and their
   product, the residual stream), the head's tile and the stack.
 
-Two uses. ``choose_mode`` (``mode="auto"``): packed whenever its activations fit the memory budget,
+Three uses. ``runs_padded``: where the tree would save less than it costs (little sharing and
+little padding), a packed call runs as the padded batch stock runs. ``choose_mode`` (``mode="auto"``): packed whenever its activations fit the memory budget,
 else dfs with the largest chunk that fits; measured, packed was faster than dfs wherever it fit
 (docs/benchmarks), so time does not enter. ``GroupBudget``: how many tokens
 of small sibling subtrees the walk may run in one call at a given stack depth, so that a unit
@@ -37,11 +38,29 @@ import torch
 from .forest import PrefixForest, ScoringPlan
 from .model_parts import head_dim_of, intermediate_size_of, kv_heads_of
 
+#: A forest runs as a right-padded ``(B, L)`` batch through the model's own dense attention — what
+#: stock's padded batch computes, none of the tree's varlen attention, gathers and index uploads —
+#: when that batch holds at most this many times the forest's unique tokens: there sharing and
+#: padding save less than the tree's own overheads cost (measured: docs/benchmarks/README.md,
+#: "Where nothing is shared"). 1.0 would take only batches with nothing to save.
+PADDED_BATCH_MAX_RATIO = 1.025
+
 #: chunk sizes tried for dfs, largest first
 CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
 #: TRL's chunked log-prob kernel: rows per projection tile (``TOKEN_CHUNK_SIZE``) and our vocabulary tile
 HEAD_ROW_TILE = 4096
 HEAD_VOCAB_TILE = 32768
+
+
+def runs_padded(forest: PrefixForest, router: bool = False) -> bool:
+    """The no-sharing rule, the one place it is decided: whether a packed call of ``forest`` runs as
+    a right-padded ``(B, L)`` batch (``packed.padded_batch``) instead of the tree. ``router``: the
+    model has an MoE router, whose load-balancing loss would count the padding; such calls stay
+    packed."""
+    if router:
+        return False
+    padded = forest.num_sequences * forest.max_depth
+    return padded <= PADDED_BATCH_MAX_RATIO * forest.num_unique_tokens
 
 
 @dataclass(frozen=True)

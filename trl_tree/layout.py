@@ -17,8 +17,9 @@ from dataclasses import dataclass, fields
 class LayoutChoices:
     """The defaults are what a call does unless a benchmark says otherwise."""
 
-    #: Run a forest of unshared, equal-length sequences as a dense causal batch through the model's own
-    #: attention (``packed.dense_row_length``). The benchmarks set it False to time varlen packing itself.
+    #: Run a forest with little to share as stock's right-padded batch through the model's own
+    #: attention (``cost_model.runs_padded``, ``packed.padded_batch``). The benchmarks set it False to
+    #: time the tree itself on such batches.
     dense_unshared_batches: bool = True
     #: Split the packed FlashAttention at the roots (``attention/root_split.py``): None = where it pays
     #: (``metadata.use_root_split``); the benchmarks force True/False to time both.

@@ -9,9 +9,12 @@ Below the walk (``dfs/``), which runs its units through :func:`tree_forward`, an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._device import upload
@@ -21,10 +24,13 @@ from .attention.kept import KeptAttention
 from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata, TreeCall
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .attention.support import attention_features
+from .cost_model import runs_padded
 from .forest import PrefixForest
 from .layout import LAYOUT
 from .model_parts import ModelParts, activation_checkpointing, capture_last_hidden_state, rope_length_hint
 from .router import record_router_logits
+
+logger = logging.getLogger(__name__)
 
 
 def check_loss_terms(terms: object, logp: torch.Tensor) -> None:
@@ -130,31 +136,69 @@ def dense_blocks(parts: ModelParts, backend: str, graphed: bool = False) -> bool
     return dense_kernels(backend, parts.device, parts.compute_dtype, parts.head_dim, graphed=graphed) is not None
 
 
-def dense_row_length(forest: PrefixForest) -> int | None:
-    """``L`` when the forest is B sequences of one length L sharing nothing, else None.
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A forest as a right-padded ``(B, L)`` batch: ``tokens`` ``[B·L]`` (sequences in input order,
+    padded with token 0 after their end) and ``rows`` ``[U]``, the flat row of each unique token's
+    first occurrence, or None where row ``r`` is unique token ``r`` (B sequences of one length that
+    share nothing: the packed layout is the batch itself)."""
 
-    Then the packed layout *is* a ``(B, L)`` batch without padding (each sequence one root node,
-    contiguous), and the model's own causal attention over it (cuDNN/FlashAttention dense kernels,
-    no gather) is the same computation as tree attention, only faster: the no-sharing case must
-    not cost more than the untreed path.
-    """
-    if not LAYOUT.dense_unshared_batches or forest.num_unique_tokens != forest.num_tokens:
+    length: int
+    tokens: np.ndarray
+    rows: np.ndarray | None
+
+
+def padded_batch(parts: ModelParts, forest: PrefixForest) -> PaddedBatch | None:
+    """The forest as the padded batch stock would run, where the cost model says that is the cheaper
+    exact path (``cost_model.runs_padded``), else None.
+
+    Exact: right padding sits after every real token, so under causal attention no real token sees a
+    pad, and each token keeps its true position; a token shared by several sequences has the same
+    hidden state in each (the same causal prefix), so reading its first occurrence is the tree's
+    value, and autograd's gradient through that one occurrence is the tree's gradient."""
+    if not LAYOUT.dense_unshared_batches or not runs_padded(forest, router=parts.router is not None):
         return None
-    if forest.num_nodes != forest.num_sequences or len(set(forest.seq_lengths.tolist())) != 1:
-        return None
-    return int(forest.seq_lengths[0])
+    global _PADDED_ANNOUNCED
+    if not _PADDED_ANNOUNCED:
+        _PADDED_ANNOUNCED = True
+        logger.info("trl_tree: a call with little to share (%d sequences x %d tokens padded, %d unique tokens) runs "
+                    "as a padded batch, as stock does (cost_model.runs_padded; said once)", forest.num_sequences,
+                    forest.max_depth, forest.num_unique_tokens)
+    length, lengths = forest.max_depth, forest.seq_lengths
+    if forest.num_unique_tokens == forest.num_tokens == forest.num_sequences * length \
+            and forest.num_nodes == forest.num_sequences:
+        return PaddedBatch(length, forest.tokens, None)
+    flat = (np.repeat(np.arange(forest.num_sequences, dtype=np.int64) * length, lengths)
+            + np.arange(forest.num_tokens, dtype=np.int64) - np.repeat(forest.seq_offsets[:-1], lengths))
+    tokens = np.zeros(forest.num_sequences * length, dtype=np.int64)
+    tokens[flat] = forest.tokens[forest.seq_packed_index]
+    rows = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    rows[forest.seq_packed_index[::-1]] = flat[::-1]  # the last write wins: each token's first occurrence
+    return PaddedBatch(length, tokens, rows)
 
 
-def _dense_hidden_states(parts: ModelParts, tokens: torch.Tensor, length: int) -> torch.Tensor:
-    """The ``(B, L)`` batch through the model's own causal attention; the dispatcher still applies
-    the tree's refusals and the every-layer check, so a model behaves the same on any batch."""
-    input_ids = tokens.view(-1, length)
-    meta = DenseCausalBatch(max_depth=length)
+#: the padded path was announced (logged once per process)
+_PADDED_ANNOUNCED = False
+
+
+def _padded_hidden_states(parts: ModelParts, batch: PaddedBatch, tokens: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """The padded batch through the model's own causal attention; the dispatcher still applies the
+    tree's refusals and the every-layer check, so a model behaves the same on any batch. ``tokens``:
+    the forest's tokens already on the device (used where the batch is the packed layout itself)."""
+    if batch.rows is None and tokens is not None:
+        input_ids, rows = tokens, None
+    else:
+        input_ids, *rest = upload([batch.tokens] + ([batch.rows] if batch.rows is not None else []), torch.int64,
+                                  parts.device)
+        rows = rest[0] if rest else None
+    meta = DenseCausalBatch(max_depth=batch.length)
     with model_call(parts) as captured:
-        parts.outer(input_ids=input_ids, **_call_kwargs(parts), **{TREE_KWARG: TreeCall(meta)})
+        parts.outer(input_ids=input_ids.view(-1, batch.length), **_call_kwargs(parts),
+                    **{TREE_KWARG: TreeCall(meta)})
     _check_every_layer(parts, meta, captured)
-    hidden = captured[-1]
-    return hidden.reshape(-1, hidden.shape[-1])
+    hidden = captured[-1].reshape(-1, captured[-1].shape[-1])
+    return hidden if rows is None else hidden.index_select(0, rows)
 
 
 def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: str = "auto",
@@ -169,11 +213,11 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
                backends.resolve_backend(attn_backend, parts.device, parts.compute_dtype,  # validates the request too
                                hidden_size=parts.hidden_size, **attention_features(parts.causal_lm.config)))
     install(parts.causal_lm.config._attn_implementation)
+    batch = padded_batch(parts, forest)
+    if batch is not None:  # little to share: stock's padded batch is the cheaper exact path
+        return _padded_hidden_states(parts, batch, tokens)
     if tokens is None:
         (tokens,) = upload([forest.tokens], torch.int64, parts.device)
-    length = dense_row_length(forest)
-    if length is not None:
-        return _dense_hidden_states(parts, tokens, length)
     if meta is None:
         meta = tree_metadata(parts, forest, backend)
     if keeps_attention(parts, backend, keep_attention, checkpointing):

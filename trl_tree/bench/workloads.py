@@ -66,6 +66,19 @@ def no_sharing(vocab: int, count: int = 16, length: int = 2048, seed: int = 0) -
     return seqs.tolist()
 
 
+def ragged_no_sharing(vocab: int, shortest: int, longest: int = 2048, count: int = 16, seed: int = 0
+                      ) -> list[list[int]]:
+    """Distinct prompts, nothing shared, lengths spread evenly from ``shortest`` to ``longest``: the
+    padded batch holds ``longest / mean length`` times the unique tokens — where the no-sharing
+    rule (``cost_model.runs_padded``) chooses between stock's padded batch and the tree."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(shortest, longest, count).round().astype(int)
+    seqs = [rng.integers(1, vocab, int(n)).tolist() for n in lengths]
+    for i, s in enumerate(seqs):
+        s[0] = i % (vocab - 1) + 1
+    return seqs
+
+
 #: the suite's workloads unless others are named (W7 is built only when asked for: 2M tokens)
 DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
 
@@ -87,6 +100,13 @@ def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORK
         "W4": lambda: Workload("W4", "agentic tree: 4.8k system prompt, 5 turns branching at tool calls, 12 leaves",
                                agentic_tree(vocab), 4800),
         "W5": lambda: Workload("W5", "no sharing: 16 sequences of 2048 tokens (prompt 1024)", no_sharing(vocab), 1024),
+        # the no-sharing rule's neighbourhood: padded / unique tokens 1.02, 1.09 and 1.23
+        "W8": lambda: Workload("W8", "no sharing, ragged: 16 sequences of 1984-2048 tokens (prompt 512)",
+                               ragged_no_sharing(vocab, 1984), 512),
+        "W9": lambda: Workload("W9", "no sharing, ragged: 16 sequences of 1700-2048 tokens (prompt 512)",
+                               ragged_no_sharing(vocab, 1700), 512),
+        "W10": lambda: Workload("W10", "no sharing, ragged: 16 sequences of 1280-2048 tokens (prompt 512)",
+                                ragged_no_sharing(vocab, 1280), 512),
         "W6": lambda: Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves "
                                "of 13.8k tokens", agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6),
                                8000, per_sequence_baseline=True, baseline_sample=4),

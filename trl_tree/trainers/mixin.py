@@ -355,7 +355,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         if value_head is not None:
             self._tree_joint_values = values
         if differentiable:
-            self._log_forests(forests)
+            self._log_forests(forests, router is not None)
         return logps, entropies, aux_loss
 
     # ------------------------------------------------------------------ accumulation windows
