@@ -134,6 +134,7 @@ def _train(args, workdir: str) -> None:
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
     from trl_tree.tiny import tiny_model
+    from trl_tree.toy import save_quietly
 
     torch.manual_seed(0)
     tokenizer = tool_tokenizer()
@@ -144,8 +145,7 @@ def _train(args, workdir: str) -> None:
         cfg.pad_token_id, cfg.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     warm_start(model, tokenizer, args.warm_start_steps)
     path = f"{workdir}/policy"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_quietly(model, tokenizer, path)
 
     rng = random.Random(1)
     rows = [{"prompt": question(k), "key": k, "seed": rng.randrange(10**6)} for k in KEYS * 16]

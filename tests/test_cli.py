@@ -108,7 +108,8 @@ def test_inspect_draws_the_forest(rollouts, tmp_path, capsys):
     assert "T/U" in capsys.readouterr().out
 
 
-def test_inspect_errors_are_plain(rollouts, tmp_path, capsys):
+def test_inspect_errors_are_plain(rollouts, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub is never asked here
     folder, _ = rollouts
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x"}))
     (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}))
@@ -119,13 +120,15 @@ def test_inspect_errors_are_plain(rollouts, tmp_path, capsys):
         ([str(tmp_path / "broken.jsonl")], "not valid JSON"),
         ([str(tmp_path / "text.jsonl")], "give --tokenizer"),
         ([str(tmp_path / "text.jsonl"), "--tokenizer", str(tmp_path / "nowhere")], "no directory at"),
-        ([str(folder / "ids.jsonl"), "--model", "13b"], "neither 0.5b, 1.5b, 7b nor a config.json"),
+        ([str(folder / "ids.jsonl"), "--model", "13b"], "is neither a size (0.5b, 1.5b, 7b), a config.json"),
+        ([str(folder / "ids.jsonl"), "--model", "someone/no-such-model"], "nor a cached hub id"),
+        ([str(folder / "ids.jsonl"), "--model", str(tmp_path)], "without a readable config.json"),
         ([str(folder / "ids.jsonl"), "--rows-per-forest", "0"], "at least 1"),
     ]
     for argv, message in cases:
         assert main(["inspect", *argv]) == 2, argv
         err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err, (argv, err)
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
 def test_demo_runs_rloo(capsys):
@@ -154,3 +157,14 @@ def test_tree_configs_train_on_the_cpu_without_being_told():
         args = cls(output_dir="/tmp/unused", report_to="none")
         assert args.use_cpu and not args.bf16, cls.__name__
     assert TreeGRPOConfig(output_dir="/tmp/unused", report_to="none", bf16=True).bf16
+
+
+def test_inspect_takes_a_model_directory(rollouts, tmp_path, capsys, monkeypatch):
+    """``--model`` takes what ``from_pretrained`` takes: here a saved model's directory."""
+    from trl_tree.tiny import shaped_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder, _ = rollouts
+    shaped_config("0.5b").save_pretrained(tmp_path / "my-model")
+    assert main(["inspect", str(folder / "ids.jsonl"), "--model", str(tmp_path / "my-model")]) == 0
+    assert "my-model" in capsys.readouterr().out

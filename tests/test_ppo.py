@@ -391,3 +391,21 @@ def test_critic_saved_and_restored(checkpoint, tmp_path):
     resumed.train(resume_from_checkpoint=saved)
     assert resumed.state.global_step == 2
 
+
+
+def test_a_value_model_of_another_tokenizer_is_warned_about(checkpoint, tmp_path):
+    """Accepted (its vocabulary is large enough), never silently: another family's value model reads
+    the policy's token ids as other tokens."""
+    import warnings
+
+    from transformers import AutoModelForTokenClassification
+
+    from trl_tree.tiny import tiny_config
+
+    other = AutoModelForTokenClassification.from_config(tiny_config("llama", vocab_size=200, num_labels=1))
+    with pytest.warns(UserWarning, match="looks made for another tokenizer: .*model_type 'llama'"):
+        _trainer(checkpoint, tmp_path, value_model=other)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(checkpoint, tmp_path)  # the policy's own checkpoint with a new head
+    assert not [w for w in caught if "another tokenizer" in str(w.message)]

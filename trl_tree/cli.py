@@ -29,7 +29,8 @@ def _inspect(argv: list[str]) -> int:
     parser.add_argument("file", help="a .jsonl/.json/.parquet file or a datasets directory (save_to_disk)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory, for text or chat columns")
     parser.add_argument("--model", default="1.5b",
-                        help="the model the prediction is for: 0.5b, 1.5b, 7b (Qwen2.5 shapes) or a config.json path")
+                        help="the model the prediction is for: 0.5b, 1.5b, 7b (Qwen2.5 shapes), or what "
+                        "from_pretrained takes (a config.json, a model directory, a hub id: cache first)")
     parser.add_argument("--rows-per-forest", type=int, default=None,
                         help="rows per forest, like a micro-batch (default: all rows in one forest)")
     parser.add_argument("--limit", type=int, default=None, help="read only the first N rows")
@@ -62,7 +63,9 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _model_config(spec: str):
-    """A model config from a size name or a config.json (no hub access)."""
+    """A model config from a size name, or from whatever ``AutoConfig.from_pretrained`` takes: a
+    config.json, a model directory, a hub id (from the local cache first; the hub only where it
+    is reachable and ``HF_HUB_OFFLINE`` is not set). A failure is one plain line."""
     import os
 
     from .inspection import InspectError
@@ -71,14 +74,24 @@ def _model_config(spec: str):
         from .tiny import shaped_config
 
         return shaped_config(spec.lower()), f"a Qwen2.5-{spec.upper()}-shaped model"
-    if not os.path.isfile(spec):
-        raise InspectError(f"--model: {spec!r} is neither 0.5b, 1.5b, 7b nor a config.json file")
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(spec).get_text_config(), os.path.basename(os.path.dirname(spec)) or spec
-    except Exception as e:
-        raise InspectError(f"--model: cannot read {spec} as a transformers config ({e})") from e
+    if os.path.isfile(spec):  # a config.json itself
+        try:
+            return AutoConfig.from_pretrained(spec).get_text_config(), os.path.basename(os.path.dirname(spec)) or spec
+        except Exception as e:
+            raise InspectError(f"--model: cannot read {spec} as a transformers config ({type(e).__name__})") from e
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    for local_only in (True,) if offline or os.path.isdir(spec) else (True, False):
+        try:
+            return AutoConfig.from_pretrained(spec, local_files_only=local_only).get_text_config(), spec
+        except Exception as e:  # not here (or not in the cache): the hub next, where allowed
+            why = e
+    where = "a directory here" if os.path.isdir(spec) else \
+        "a size (0.5b, 1.5b, 7b), a config.json, a model directory, nor a cached hub id" + \
+        ("" if offline else " (and the hub did not answer)")
+    raise InspectError(f"--model: {spec!r} is neither {where}" if not os.path.isdir(spec) else
+                       f"--model: {spec!r} is {where} without a readable config.json ({type(why).__name__})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,9 +46,23 @@ def build_tiny_policy(path: str | Path, hidden_size: int = 128, num_layers: int 
     )
     for cfg in (model.config, model.generation_config):
         cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    save_quietly(model, tok, path)
     return str(path)
+
+
+def save_quietly(model, tokenizer, path: str | Path) -> None:
+    """Save a model and its tokenizer without transformers' shard-writing progress bar (ours, not
+    the training's: it would be the first thing a demo prints); the bar's setting is restored."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def toy_prompts(n: int = 256, story_len: int = 320, seed: int = 0) -> list[str]:

@@ -15,6 +15,8 @@ from trl import GRPOConfig, RLOOConfig
 from ..options import TreeOptions
 
 TREE_MODES = ("packed", "dfs", "off")
+#: the CPU default of ``_default_to_cpu`` was announced (once per process)
+_CPU_DEFAULT_SAID = False
 TREE_SHUFFLES = ("auto", "groups", "rows")
 TREE_WINDOWS = ("auto", "accumulation", "micro_step")
 ATTN_BACKENDS = ("auto", "flash", "torch_flash", "flex", "sdpa", "eager")
@@ -141,7 +143,8 @@ class TreeArguments:
     def _default_to_cpu(self) -> None:
         """On a machine with no accelerator, train on the CPU in fp32 unless told otherwise. TRL's
         configs default to bf16, which transformers refuses there until ``use_cpu=True`` is set;
-        only an explicit ``bf16=True`` keeps CPU autocast."""
+        only an explicit ``bf16=True`` keeps CPU autocast. Said once (a warning in the log), since it
+        changes a setting the user did not pass."""
         import torch
 
         if self.use_cpu or torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) \
@@ -150,7 +153,12 @@ class TreeArguments:
         self.use_cpu = True
         if self.bf16 is None and not self.fp16:
             self.bf16 = False
-        logging.getLogger(__name__).info("no GPU found: use_cpu=True, fp32 (set bf16=True for CPU autocast)")
+        global _CPU_DEFAULT_SAID
+        if not _CPU_DEFAULT_SAID:  # a setting changed for the user: said once per process, visibly
+            _CPU_DEFAULT_SAID = True
+            logging.getLogger(__name__).warning(
+                "%s: no GPU found, so use_cpu=True and fp32 (TRL's default bf16 does not run on the CPU); pass "
+                "use_cpu=True to choose this yourself, or bf16=True for CPU autocast", type(self).__name__)
 
     def _check_tree_fields(self) -> None:
         if self.tree_mode == "auto":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 from transformers import AutoModelForTokenClassification, PreTrainedModel
@@ -68,8 +69,9 @@ class Critic:
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, kind: str, policy: torch.nn.Module, value_model: str | PreTrainedModel | None,
-              model_init_kwargs: dict, vocab_size: int) -> Critic:
-        """The critic of ``kind`` for ``policy`` (unwrapped; a PEFT model for ``"adapter"``)."""
+              model_init_kwargs: dict, vocab_size: int, tokenizer=None) -> Critic:
+        """The critic of ``kind`` for ``policy`` (unwrapped; a PEFT model for ``"adapter"``);
+        ``tokenizer``: the policy's, compared with a separate value model's own where it has one."""
         if kind not in CRITIC_KINDS:
             raise ValueError(f"critic must be one of {CRITIC_KINDS}, got {kind!r}")
         config = _base_config(policy)
@@ -80,6 +82,7 @@ class Critic:
         if kind == "separate":
             model = _load_value_model(value_model, policy, model_init_kwargs)
             _check_value_model(model, vocab_size)
+            _warn_other_tokenizer(model, policy, value_model if isinstance(value_model, str) else None, tokenizer)
             return cls(kind, model.score, model=model.to(device))
         head = ValueHead(config.hidden_size, getattr(config, "initializer_range", 0.02)).to(device)
         if kind == "shared":
@@ -192,6 +195,36 @@ def _check_value_model(model: PreTrainedModel, vocab_size: int) -> None:
             f"the value model embeds {rows} token ids but the policy's tokenizer has {vocab_size}: the critic must "
             "share the policy's tokenizer (it reads the same token ids)"
         )
+
+
+def _warn_other_tokenizer(model: PreTrainedModel, policy: torch.nn.Module, path: str | None, tokenizer) -> None:
+    """Warn when the value model was made for another tokenizer than the policy's: it reads the
+    policy's token ids, which then name other tokens to it — accepted (its vocabulary may be large
+    enough), never silently. Compared: the value model's own tokenizer where its directory has one,
+    else what its config says of its tokenizer (family, embedding rows, special token ids)."""
+    theirs = None
+    if path is not None and tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+        try:
+            from transformers import AutoTokenizer
+
+            theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:  # a directory without tokenizer files: compare the configs below
+            theirs = None
+    if theirs is not None:
+        if theirs.get_vocab() == tokenizer.get_vocab():
+            return
+        why = f"its tokenizer ({len(theirs)} tokens) is not the policy's ({len(tokenizer)} tokens)"
+    else:
+        mine, other = _base_config(policy), model.config.get_text_config()
+        differences = [f"{name} {getattr(other, name, None)!r} against the policy's {getattr(mine, name, None)!r}"
+                       for name in ("model_type", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+                       if getattr(other, name, None) != getattr(mine, name, None)]
+        if not differences:
+            return
+        why = "its config differs from the policy's: " + "; ".join(differences)
+    warnings.warn(f"the value model ({type(model).__name__}) looks made for another tokenizer: {why}. It reads the "
+                  "policy's token ids, which name other tokens to it; use a value model of the policy's family, "
+                  "trained on its tokenizer", stacklevel=4)
 
 
 def _add_critic_adapter(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

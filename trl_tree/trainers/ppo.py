@@ -82,7 +82,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if hasattr(tokenizer, "__len__"):
             vocab = min(vocab, len(tokenizer))
         self.critic = Critic.build(args.critic, policy, value_model if value_model is not None else
-                                   args.value_model_path, args.model_init_kwargs or {}, vocab)
+                                   args.value_model_path, args.model_init_kwargs or {}, vocab, tokenizer)
         critic_model = self.critic.model
         if critic_model is not None:
             if args.disable_dropout:
