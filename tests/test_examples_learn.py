@@ -18,6 +18,7 @@ CASES = [
     ("ppo_tree.py", ["--steps", "8", *SHORT]),
     ("ppo_tree.py", ["--steps", "10", "--critic", "shared", *SHORT]),
     ("ppo_tree_lora.py", ["--steps", "8", *SHORT]),
+    ("agentic_tools_tree.py", ["--steps", "8"]),
 ]
 
 
