@@ -34,37 +34,30 @@ def test_grpo_example_runs_the_walk_under_a_budget(monkeypatch, capsys, tmp_path
     assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
 
 
-def test_agentic_tools_example_branches_at_tool_calls(monkeypatch, capsys, tmp_path):
-    """TRL's environment_factory with a key-value store the model queries: the forest shares more than
-    the prompts (completions sharing a tool call share its tokens), and the call format round-trips
-    through the in-memory tokenizer's chat template and TRL's response parser."""
-    import re
-    import tempfile
-
+def test_agentic_tools_example_round_trips_its_tool_calls():
+    """TRL's environment_factory with a key-value store the model queries: the call format round-trips
+    through the in-memory tokenizer's chat template and TRL's response parser, and the store rewards
+    the key that holds the code (the run itself, and that its forest branches at the tool calls:
+    ``test_examples_learn.py``)."""
     spec = importlib.util.spec_from_file_location("agentic_tools_tree", "examples/agentic_tools_tree.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     tokenizer = example.tool_tokenizer()
     env = example.KeyValueStore()
-    env.reset(seed=3, key="beta")
-    prompt = tokenizer.apply_chat_template(example.question("beta"), tools=[env.lookup], add_generation_prompt=True,
+    env.reset(seed=3)
+    prompt = tokenizer.apply_chat_template(example.question(), tools=[env.lookup], add_generation_prompt=True,
                                            tokenize=False)
-    parsed = tokenizer.parse_response('<tool_call>\n{"name": "lookup", "arguments": {"key": "beta"}}\n</tool_call>'
-                                      "<|im_end|>", prefix=prompt)
-    call = parsed["tool_calls"][0]["function"]
-    assert call == {"name": "lookup", "arguments": {"key": "beta"}}
-    assert env.lookup(**call["arguments"]) == env.store["beta"] and env.get_reward() == 1.0
+    text = tokenizer.apply_chat_template(example.conversation("beta", env), tools=[env.lookup], tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text and tokenizer.unk_token_id not in ids[len(tokenizer(prompt)["input_ids"]):]
+    for key, reward in (("beta", 0.0), (example.CODE_KEY, 1.0)):
+        parsed = tokenizer.parse_response(f'<tool_call>\n{{"name": "lookup", "arguments": {{"key": "{key}"}}}}\n'
+                                          "</tool_call><|im_end|>", prefix=prompt)
+        call = parsed["tool_calls"][0]["function"]
+        assert call == {"name": "lookup", "arguments": {"key": key}}
+        assert env.lookup(**call["arguments"]) == env.store[key] and env.get_reward() == reward
     with pytest.raises(KeyError, match="no key"):
         env.lookup("epsilon")
-
-    monkeypatch.setattr(sys, "argv", ["agentic_tools_tree.py", "--steps", "1", "--warm-start-steps", "4",
-                                      "--num-generations", "4"])
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    runpy.run_path("examples/agentic_tools_tree.py", run_name="__main__")
-    out = capsys.readouterr().out
-    tree, prompt_only = map(float, re.search(r"T/U ([\d.]+) \(sharing only the prompt: ([\d.]+)\)", out).groups())
-    assert tree > prompt_only > 1.0, out
-    assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
 
 
 @pytest.mark.parametrize("script", ["grpo_tree.py", "grpo_tree_lora.py", "ppo_tree.py", "ppo_tree_lora.py",
