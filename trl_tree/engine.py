@@ -45,8 +45,8 @@ from .packed import (  # noqa: F401  (tree_forward, call_token_loss, TokenLoss: 
     checkpointing_on,
     keeps_attention,
     packed_hidden_states,
-    padded_batch,
     recomputes_kept_attention,
+    runs_as_padded_batch,
     tree_forward,
     tree_metadata,
     wants_kept_attention,
@@ -171,7 +171,7 @@ def _score(
     cuda_graphs, keep_attention = opts.cuda_graphs, opts.keep_attention
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
-    if (cuda_graphs and torch.is_grad_enabled() and padded_batch(parts, forest) is None
+    if (cuda_graphs and torch.is_grad_enabled() and not runs_as_padded_batch(parts, forest)
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
         backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=True,

@@ -148,6 +148,12 @@ class PaddedBatch:
     rows: np.ndarray | None
 
 
+def runs_as_padded_batch(parts: ModelParts, forest: PrefixForest) -> bool:
+    """Whether a packed call of ``forest`` takes the padded path: the cost model's rule
+    (``cost_model.runs_padded``; a MoE router's loss keeps calls packed) under the layout switch."""
+    return LAYOUT.dense_unshared_batches and runs_padded(forest, router=parts.router is not None)
+
+
 def padded_batch(parts: ModelParts, forest: PrefixForest) -> PaddedBatch | None:
     """The forest as the padded batch stock would run, where the cost model says that is the cheaper
     exact path (``cost_model.runs_padded``), else None.
@@ -156,7 +162,7 @@ def padded_batch(parts: ModelParts, forest: PrefixForest) -> PaddedBatch | None:
     pad, and each token keeps its true position; a token shared by several sequences has the same
     hidden state in each (the same causal prefix), so reading its first occurrence is the tree's
     value, and autograd's gradient through that one occurrence is the tree's gradient."""
-    if not LAYOUT.dense_unshared_batches or not runs_padded(forest, router=parts.router is not None):
+    if not runs_as_padded_batch(parts, forest):
         return None
     global _PADDED_ANNOUNCED
     if not _PADDED_ANNOUNCED:
