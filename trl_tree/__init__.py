@@ -17,7 +17,7 @@ _LAZY = {
     "tree_backward": ".engine", "tree_logprobs": ".engine", "tree_value_backward": ".engine", "tree_values": ".engine",
     "PrefixForest": ".forest",
     **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",
-                                      "TreeRLOOConfig", "TreeRLOOTrainer")},
+                                      "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer")},
 }
 
 

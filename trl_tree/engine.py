@@ -172,7 +172,8 @@ def _score(
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and not runs_as_padded_batch(parts, forest)
-            and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
+            and not parts.length_dependent_rope and parts.router is None and parts.value_head is None
+            and parts.top1 is None):  # the replayed head computes no argmax
         backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=True,
                                            **attention_features(parts.causal_lm.config))
@@ -268,6 +269,7 @@ def tree_logprobs(
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
     value_head: torch.nn.Module | None = None,
+    return_top1: bool = False,
     **deprecated_knobs: object,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
     """Per-token log-probs of every sequence, computing each shared token once.
@@ -300,17 +302,22 @@ def tree_logprobs(
     every call's router logits (an MoE model's load-balancing loss, ``router.loss()``).
     ``value_head``: a critic's head on the policy's trunk (hidden ``[n, H]`` -> ``[n, 1]``); the same
     forward also gives ``values[i][j]``, the head at the state that predicts ``logps[i][j]``, returned
-    last: ``(logps, values)`` or ``(logps, entropies, values)``.
+    last: ``(logps, values)`` or ``(logps, entropies, values)``. ``return_top1=True``: also (last of
+    all) whether each scored token is the head's most likely one (bool; TRL's ``is_top1``, SFT's
+    token accuracy) — a by-product of the fused head, so calls that ask for it replay no CUDA graph.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_logprobs", FORWARD_KNOBS)
-    logp, ent, values, plan = _forward_scores(model, seqs, mode, opts, temperature, return_entropy, score_from,
-                                              rope_length, lm_head_fp32, router, value_head, values_only=False)
+    logp, ent, values, plan, top1 = _forward_scores(model, seqs, mode, opts, temperature, return_entropy, score_from,
+                                                    rope_length, lm_head_fp32, router, value_head, values_only=False,
+                                                    return_top1=return_top1)
     counts = plan.counts.tolist()
     out = [list(logp.split(counts))]
     if return_entropy:
         out.append(list(ent.split(counts)))
     if value_head is not None:
         out.append(list(values.split(counts)))
+    if return_top1:
+        out.append(list(top1.split(counts)))
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -336,7 +343,7 @@ def tree_values(
     differentiable (the backbone's and the head's parameters)."""
     opts = _value_options(merge_deprecated(options, deprecated_knobs, "tree_values", VALUE_FORWARD_KNOBS),
                           "tree_values")
-    _, _, values, plan = _forward_scores(model, seqs, mode, opts, 1.0, False, score_from, rope_length, False, None,
+    _, _, values, plan, _ = _forward_scores(model, seqs, mode, opts, 1.0, False, score_from, rope_length, False, None,
                                          value_head, values_only=True)
     return list(values.split(plan.counts.tolist()))
 
@@ -368,18 +375,26 @@ def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score
 
 
 def _forward_scores(model, seqs, mode: str, opts: TreeOptions, temperature, return_entropy, score_from, rope_length,
-                    lm_head_fp32, router, value_head, values_only: bool):
-    """Flat ``(logps, entropies, values, plan)`` of :func:`tree_logprobs` / :func:`tree_values`."""
+                    lm_head_fp32, router, value_head, values_only: bool, return_top1: bool = False):
+    """Flat ``(logps, entropies, values, plan, top1)`` of :func:`tree_logprobs` / :func:`tree_values`
+    (``top1`` None unless ``return_top1``)."""
     parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
                                                      lm_head_fp32, router, value_head, values_only)
+    if return_top1:
+        if values_only:
+            raise ValueError("return_top1 asks the LM head, which a value-only call does not run")
+        parts.top1 = []
+    gather = torch.from_numpy(plan.gather).to(parts.device)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, opts, temperature, False, forward_only=True)
-        rows = walk.logprobs(return_entropy)
-        gather = torch.from_numpy(plan.gather).to(parts.device)
+        *rows, top1 = walk.logprobs(return_entropy)
         logp, ent, values = (x.index_select(0, gather) if x is not None else None for x in rows)
     else:
         logp, ent, values, _ = _score(parts, forest, plan, opts, temperature, return_entropy)
-    return logp, ent, values, plan
+        top1 = torch.cat(parts.top1) if return_top1 else None
+    if top1 is not None:
+        top1 = top1.index_select(0, gather)  # the rows' argmax flags, read per term like the log-probs
+    return logp, ent, values, plan, top1
 
 
 def tree_backward(

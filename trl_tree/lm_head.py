@@ -39,6 +39,8 @@ def score_predictions(
         weight = weight.detach()
         bias = bias.detach() if bias is not None else None
     if pred_src.numel() == 0:
+        if parts.top1 is not None:
+            parts.top1.append(torch.zeros(0, dtype=torch.bool, device=hidden.device))
         # nothing to score (single-token sequences): an empty result still connected to the model, so
         # a backward leaves zero gradients where autograd on the untreed path leaves them too
         anchor = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0)
@@ -88,6 +90,7 @@ def score_rows(
 
 
 def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, with_entropy: bool):
+    outputs = (("entropy",) if with_entropy else ()) + (("is_top1",) if parts.top1 is not None else ())
     out = ChunkedLogProbFunction.apply(
         src,
         weight,
@@ -97,6 +100,8 @@ def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, wi
         VOCAB_CHUNK_SIZE,
         parts.final_logit_softcapping,
         parts.logit_scale,
-        ("entropy",) if with_entropy else (),
+        outputs,
     )
+    if parts.top1 is not None:  # whether each target is the argmax: the head's by-product, kept for the caller
+        parts.top1.append(out[4])
     return out[0], (out[1] if with_entropy else None)

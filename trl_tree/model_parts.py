@@ -54,6 +54,9 @@ class ModelParts:
     value_head: torch.nn.Module | None = None
     #: whether the LM head scores log-probs (False: a value-only call, ``value_model_parts``)
     scores_logps: bool = True
+    #: a call that also asks whether each target is the head's argmax (SFT's token accuracy): every
+    #: scoring of the LM head appends its ``is_top1`` here; None: not asked
+    top1: list[torch.Tensor] | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -1,9 +1,10 @@
 """Drop-in TRL trainers on the tree engine: change one import and one config class."""
 
-from .config import TreeArguments, TreeGRPOConfig, TreePPOConfig, TreeRLOOConfig
+from .config import TreeArguments, TreeGRPOConfig, TreePPOConfig, TreeRLOOConfig, TreeSFTConfig
 from .grpo import TreeGRPOTrainer
 from .ppo import TreePPOTrainer
 from .rloo import TreeRLOOTrainer
+from .sft import TreeSFTTrainer
 
 __all__ = ["TreeArguments", "TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer", "TreeRLOOConfig",
-           "TreeRLOOTrainer"]
+           "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer"]

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig, RLOOConfig
+from trl import GRPOConfig, RLOOConfig, SFTConfig
 
 from ..options import TreeOptions
 
@@ -216,6 +216,39 @@ class TreeRLOOConfig(RLOOConfig, TreeArguments):
 
     def __post_init__(self):
         self._check_tree_fields()
+        self._default_to_cpu()
+        super().__post_init__()
+
+
+SFT_SHUFFLES = ("rows", "groups", "auto")
+
+
+@dataclass
+class TreeSFTConfig(SFTConfig, TreeArguments):
+    """``trl.SFTConfig`` plus the tree fields of :class:`TreeArguments`. In SFT the gain comes from
+    which samples meet in a micro-batch, so ``tree_shuffle`` chooses the order of the samples:
+    'rows' (default) TRL's own, 'groups' the prefix-aware sampler (``trl_tree.trainers.sft_sampler``).
+    ``tree_window`` does not apply (one micro-batch is one set of trees)."""
+
+    tree_shuffle: str = field(
+        default="rows",
+        metadata={
+            "help": "Which samples meet in a micro-batch. 'rows' (default; 'auto' is the same): TRL's own order, "
+            "the update bit-for-bit stock's. 'groups' (opt-in: it changes which samples share a step, never a "
+            "token's weight): samples that share prefixes are put in the same micro-batch, each seen once per "
+            "epoch, reshuffled every epoch, resumable; the trainer logs at construction what it buys on this "
+            "dataset (T/U in TRL's order and with groups)."
+        },
+    )
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        if self.tree_shuffle not in SFT_SHUFFLES:
+            raise ValueError(f"tree_shuffle must be one of {SFT_SHUFFLES} for SFT, got {self.tree_shuffle!r}")
+        if self.tree_window == "accumulation":
+            raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; SFT's "
+                             "micro-batch is its own set of trees. Use tree_shuffle='groups' to bring shared "
+                             "prefixes together, and leave tree_window at 'auto'")
         self._default_to_cpu()
         super().__post_init__()
 

@@ -1,0 +1,106 @@
+"""Run TRL's ``SFTTrainer`` and ``TreeSFTTrainer`` on the same samples from one tiny checkpoint.
+
+Plain SGD (the update is linear in the gradient), fp32 on the CPU, TRL's own order
+(``tree_shuffle='rows'``, the default) and the same seed, so both see the same micro-batches; the
+comparison is the parameters after the update and the logged metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from datasets import Dataset, disable_progress_bars
+
+disable_progress_bars()
+
+from trl_tree.sft_data import expand_turns
+from trl_tree.tiny import tiny_model, tiny_tokenizer
+
+#: a tiny chat template in the tokenizer's characters, with TRL's generation markers
+#: (``assistant_only_loss``) and the tools' names in front of the conversation
+CHAT_TEMPLATE = (
+    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'a:' }}{% generation %}"
+    "{{ m['content'] + '.' }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['role'][0] + ':' + m['content'] + ';' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
+)
+
+SYSTEM = "you answer with the word count of the question, then a tool call when asked"
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def sft_tokenizer():
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def save_sft_checkpoint(path, family: str = "qwen2", **overrides) -> str:
+    tok = sft_tokenizer()
+    fields = dict(vocab_size=len(tok), max_position_embeddings=1024, initializer_range=0.05)
+    model = tiny_model(family, **{**fields, **overrides})
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def conversations(n: int = 4, turns: int = 3, tools: bool = False) -> list[dict]:
+    out = []
+    for c in range(n):
+        messages = [{"role": "system", "content": SYSTEM}]
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"q{c} turn {t} how many"})
+            messages.append({"role": "assistant", "content": f"{(c + t) % 7} words {'x' * (t + c % 3)}"})
+        out.append({"messages": messages, **({"tools": TOOLS} if tools else {})})
+    return out
+
+
+def dataset(kind: str, n: int = 4, turns: int = 3) -> Dataset:
+    """The data shapes SFTTrainer takes: 'text', 'prompt_completion' (plain text), 'messages'
+    (conversational language modelling), 'turns' (conversational prompt-completion, one sample per
+    assistant turn — histories shared), 'tools' (the same with a tools column)."""
+    if kind == "text":
+        return Dataset.from_list([{"text": f"{SYSTEM} q{i} " + "ab " * (i % 4)} for i in range(2 * n)])
+    if kind == "prompt_completion":
+        return Dataset.from_list([{"prompt": f"{SYSTEM} q{i // 2}", "completion": f" a{i} " + "c" * (i % 5)}
+                                  for i in range(2 * n)])
+    if kind == "messages":
+        return Dataset.from_list(conversations(n, turns))
+    if kind in ("turns", "tools"):
+        rows = [s for conv in conversations(n, turns, tools=kind == "tools") for s in expand_turns(conv)]
+        return Dataset.from_list(rows)
+    raise ValueError(kind)
+
+
+BASE = dict(per_device_train_batch_size=4, learning_rate=0.5, optim="sgd", max_steps=1, logging_steps=1,
+            report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
+            gradient_checkpointing=False, dataloader_drop_last=False)
+
+
+def run(trainer_cls, config_cls, checkpoint: str, data: Dataset, *, eval_data: Dataset | None = None,
+        peft_config=None, dtype=torch.float32, **config) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Train from ``checkpoint`` on ``data``; the trainable parameters after it and the log."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    args = config_cls(output_dir=str(checkpoint) + "-out", **{**BASE, **config})
+    trainer = trainer_cls(model=model, args=args, train_dataset=copy.deepcopy(data), eval_dataset=eval_data,
+                          processing_class=sft_tokenizer(), peft_config=peft_config)
+    trainer.train()
+    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    return params, trainer.state.log_history
+
+
+def assert_same_update(stock: dict, tree: dict, start: dict | None = None, tol: float = 1e-5) -> None:
+    assert stock.keys() == tree.keys()
+    for name in stock:
+        a, b = stock[name].double(), tree[name].double()
+        if start is not None:  # compare the updates, not the (equal) starting points
+            a, b = a - start[name].double(), b - start[name].double()
+        scale = a.norm().clamp(min=1e-12)
+        assert (a - b).norm() / scale < tol, f"{name}: relative difference {float((a - b).norm() / scale):.2e}"

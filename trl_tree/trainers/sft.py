@@ -1,0 +1,154 @@
+"""``TreeSFTTrainer``: TRL's ``SFTTrainer`` with each micro-batch's loss computed over a prefix tree.
+
+Stock's loss is ``sum(-log p(label)) / num_items_in_batch`` over the labelled tokens (``dft``
+weights each term by its detached probability); the tree computes the same log-probs, each shared
+token's forward run once, and the Trainer's normalisation, gradient accumulation and logging are
+untouched. What differs is only how the micro-batch's forward and backward run and, opt-in, which
+samples meet in a micro-batch (``tree_shuffle='groups'``, ``sft_sampler``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from trl import SFTTrainer
+
+from ..forest import PrefixForest
+from ..fsdp import reduce_gradients
+from .bridge import bridge
+from .config import TreeSFTConfig, as_tree_config
+from .sft_rows import SFTRows
+from .tree_calls import TreeCallsMixin
+
+logger = logging.getLogger(__name__)
+
+
+class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
+    """Drop-in for ``trl.SFTTrainer``: same constructor arguments; pass a :class:`TreeSFTConfig` (a
+    plain ``SFTConfig`` is accepted and gets the tree defaults). Language-modelling, prompt-completion
+    and conversational datasets (tools included), ``assistant_only_loss``, ``completion_only_loss``,
+    ``loss_type`` 'nll' and 'dft', ``max_length``, ``padding_free`` and ``packing`` (every strategy:
+    each packed sample is a sequence of the tree), PEFT, gradient checkpointing and evaluation run
+    through the tree with stock's numbers; what it cannot compute exactly is refused at construction."""
+
+    _tag_names = ["trl", "sft", "trl_tree"]
+
+    def __init__(self, model, args=None, *rest, **kwargs):
+        args = as_tree_config(args, TreeSFTConfig, model, "SFT")
+        super().__init__(model, args, *rest, **kwargs)
+        self._setup_tree()
+        if args.tree_mode != "off":
+            from .sft_sampler import announce_grouping
+
+            announce_grouping(self)
+
+    # ------------------------------------------------------------------ construction
+    def _check_trainer_support(self) -> None:
+        name, args = type(self).__name__, self.args
+        refusals = {
+            "a vision dataset": getattr(self, "_is_vision_dataset", False),
+            "compute_loss_func (it receives the model's logits, which the tree never builds)":
+                self.compute_loss_func is not None,
+            "label_smoothing_factor (it needs every logit of every position)": args.label_smoothing_factor > 0,
+            "use_liger_kernel (its kernels patch the model's modules; not verified on the tree)":
+                bool(args.use_liger_kernel),
+            "activation_offloading (its hooks on saved tensors are not verified with the tree's backward)":
+                bool(args.activation_offloading),
+            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
+                bool(getattr(self, "aux_loss_enabled", False)),
+            "tree_cuda_graphs (SFT's token accuracy needs the head's argmax, which a replayed graph does not "
+            "compute)": bool(args.tree_cuda_graphs),
+            "train_sampling_strategy='group_by_length' together with tree_shuffle='groups' (both choose which "
+            "samples meet)": args.tree_shuffle == "groups"
+            and getattr(args, "train_sampling_strategy", None) == "group_by_length",
+        }
+        parallel = self.accelerator.parallelism_config
+        if parallel is not None:
+            refusals["context or sequence parallelism (the tree holds whole sequences on one rank)"] = bool(
+                getattr(parallel, "cp_enabled", False) or getattr(parallel, "sp_enabled", False))
+        refused = [what for what, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"{name}: the tree does not support {refused[0]}; use tree_mode='off' for stock's path")
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.args.tree_mode == "off" or return_outputs:  # compute_metrics wants logits: stock's forward
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        batch = SFTRows.from_batch(inputs, type(self).__name__)
+        if batch.empty:  # no labelled token: stock's forward gives the zero loss with its graph
+            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        logps, entropies, top1 = self._tree_scores(model, batch.rows, inputs)
+        mask = batch.mask
+        per_token_loss = -logps * mask
+        if self.args.loss_type == "dft":
+            per_token_loss = per_token_loss * logps.exp().detach()
+        num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        self._log_sft_metrics(mode, inputs, mask, entropies, top1)
+        return loss
+
+    def _tree_scores(self, model, rows, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logps, entropies, is_top1)`` of the labelled samples on their ``(samples, scored)`` grid;
+        ``logps`` carries the gradient: one autograd graph (packed, one call) or the bridge to the
+        engine's own backward (dfs, or a micro-batch cut by ``tree_token_budget``)."""
+        calls = self._tree_calls(rows, None)
+        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        differentiable = torch.is_grad_enabled()
+        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        # the widest position stock's forward shows a length-dependent RoPE
+        positions = inputs.get("position_ids")
+        width = int(positions.max()) + 1 if positions is not None else inputs["input_ids"].shape[1]
+        call_kwargs = self._call_kwargs(max(width, max(len(s) for s in rows.sequences)))
+        with self.accelerator.autocast():
+            logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
+                                                    None, call_kwargs, compute_top1=True)
+        top1 = self._tree_top1
+        if two_pass:
+            target = self.accelerator.unwrap_model(model)
+
+            def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
+                self._tree_backward(target, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
+
+            logps, _, _, _ = bridge(logps, None, second_pass)
+        self._log_forests(forests)
+        return logps, entropies.detach(), top1
+
+    def _log_sft_metrics(self, mode: str, inputs: dict, mask: torch.Tensor, entropies: torch.Tensor,
+                         top1: torch.Tensor) -> None:
+        """Stock's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (every sample's tokens,
+        as stock counts them: the tree's saving shows in ``tree/dedup_ratio``, not here)."""
+        gather = self.accelerator.gather_for_metrics
+        num_valid = gather(mask.sum()).sum()
+        entropy_sum = gather((entropies * mask).sum()).sum()
+        num_correct = gather((top1.float() * mask).sum()).sum()
+        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append((num_correct / num_valid).item() if num_valid > 0 else 0.0)
+        if mode == "train":
+            if "attention_mask" in inputs:
+                num_tokens_in_batch = gather(inputs["attention_mask"].sum()).sum().item()
+            else:
+                positions = inputs["position_ids"]
+                num_tokens_in_batch = gather(torch.tensor(positions.size(1), device=positions.device)).sum().item()
+            self._total_train_tokens += num_tokens_in_batch // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
+            self._tree_fsdp_pending = False
+            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
+        return loss
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.args.tree_mode == "off" or self.args.tree_shuffle != "groups":
+            return super()._get_train_sampler(train_dataset)
+        from .sft_sampler import PrefixGroupedSampler
+
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return PrefixGroupedSampler.for_trainer(self, dataset)
