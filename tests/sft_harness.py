@@ -83,15 +83,17 @@ BASE = dict(per_device_train_batch_size=4, learning_rate=0.5, optim="sgd", max_s
 
 
 def run(trainer_cls, config_cls, checkpoint: str, data: Dataset, *, eval_data: Dataset | None = None,
-        peft_config=None, dtype=torch.float32, **config) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        peft_config=None, dtype=torch.float32, resume_from_checkpoint: str | None = None,
+        **config) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Train from ``checkpoint`` on ``data``; the trainable parameters after it and the log."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-    args = config_cls(output_dir=str(checkpoint) + "-out", **{**BASE, **config})
+    config = {"output_dir": str(checkpoint) + "-out", **BASE, **config}
+    args = config_cls(**config)
     trainer = trainer_cls(model=model, args=args, train_dataset=copy.deepcopy(data), eval_dataset=eval_data,
                           processing_class=sft_tokenizer(), peft_config=peft_config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     return params, trainer.state.log_history
 

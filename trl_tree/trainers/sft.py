@@ -36,6 +36,8 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
 
     def __init__(self, model, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeSFTConfig, model, "SFT")
+        if args.tree_mode != "off":  # before stock's constructor, which acts on some of them (offloading)
+            self._refuse(self._refused_settings(args))
         super().__init__(model, args, *rest, **kwargs)
         self._setup_tree()
         if args.tree_mode != "off":
@@ -44,32 +46,41 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
             announce_grouping(self)
 
     # ------------------------------------------------------------------ construction
-    def _check_trainer_support(self) -> None:
-        name, args = type(self).__name__, self.args
-        refusals = {
-            "a vision dataset": getattr(self, "_is_vision_dataset", False),
-            "compute_loss_func (it receives the model's logits, which the tree never builds)":
-                self.compute_loss_func is not None,
+    @staticmethod
+    def _refused_settings(args) -> dict[str, bool]:
+        """The config's settings the tree cannot compute exactly (checked before stock's constructor)."""
+        return {
             "label_smoothing_factor (it needs every logit of every position)": args.label_smoothing_factor > 0,
             "use_liger_kernel (its kernels patch the model's modules; not verified on the tree)":
                 bool(args.use_liger_kernel),
             "activation_offloading (its hooks on saved tensors are not verified with the tree's backward)":
                 bool(args.activation_offloading),
-            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
-                bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (SFT's token accuracy needs the head's argmax, which a replayed graph does not "
             "compute)": bool(args.tree_cuda_graphs),
             "train_sampling_strategy='group_by_length' together with tree_shuffle='groups' (both choose which "
             "samples meet)": args.tree_shuffle == "groups"
             and getattr(args, "train_sampling_strategy", None) == "group_by_length",
         }
+
+    def _refuse(self, refusals: dict[str, bool]) -> None:
+        refused = [what for what, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"{type(self).__name__}: the tree does not support {refused[0]}; use tree_mode='off' "
+                             "for stock's path")
+
+    def _check_trainer_support(self) -> None:
+        refusals = {
+            "a vision dataset": getattr(self, "_is_vision_dataset", False),
+            "compute_loss_func (it receives the model's logits, which the tree never builds)":
+                self.compute_loss_func is not None,
+            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
+                bool(getattr(self, "aux_loss_enabled", False)),
+        }
         parallel = self.accelerator.parallelism_config
         if parallel is not None:
             refusals["context or sequence parallelism (the tree holds whole sequences on one rank)"] = bool(
                 getattr(parallel, "cp_enabled", False) or getattr(parallel, "sp_enabled", False))
-        refused = [what for what, on in refusals.items() if on]
-        if refused:
-            raise ValueError(f"{name}: the tree does not support {refused[0]}; use tree_mode='off' for stock's path")
+        self._refuse(refusals)
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
