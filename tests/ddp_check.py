@@ -1,5 +1,9 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
+SFT (``main_sft``): stock SFTTrainer, TreeSFTTrainer packed and dfs (its engine backward averages
+the gradients by hand) and with ``tree_shuffle='groups'`` (the sampler under Accelerate's batch
+sharding), per-turn samples, gradient accumulation; each rank's final parameters are written.
+
 Last, accumulation windows placing whole trees on ranks (``main_windows``): GRPO and PPO, packed
 and dfs, on fixed rollouts whose prompt groups straddle the two processes; the test runs the same
 global batch on one process and checks that the updates agree.
@@ -172,7 +176,40 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
     return run
 
 
+def main_sft(out_dir: str) -> None:
+    from sft_harness import dataset, save_sft_checkpoint, sft_tokenizer
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_tree import TreeSFTConfig, TreeSFTTrainer
+
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    checkpoint = os.path.join(out_dir, "sft_tiny")
+    if state.is_main_process:
+        save_sft_checkpoint(checkpoint)
+    state.wait_for_everyone()
+    common = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=0.5, optim="sgd",
+                  max_steps=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+                  disable_tqdm=True, gradient_checkpointing=False)
+    runs = {"sft_stock": (SFTTrainer, SFTConfig, {}), "sft_packed": (TreeSFTTrainer, TreeSFTConfig, {}),
+            "sft_dfs": (TreeSFTTrainer, TreeSFTConfig, {"tree_mode": "dfs"}),
+            "sft_groups": (TreeSFTTrainer, TreeSFTConfig, {"tree_shuffle": "groups"})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+        args = config_cls(output_dir=os.path.join(out_dir, run), **common, **tree)
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset("turns", n=6),
+                              processing_class=sft_tokenizer())
+        trainer.train()
+        rank = trainer.accelerator.process_index
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        params["tokens"] = torch.tensor(trainer._total_train_tokens)
+        torch.save(params, os.path.join(out_dir, f"{run}_rank{rank}.pt"))
+
+
 if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)
+    main_sft(sys.argv[2])
     main(sys.argv[1], sys.argv[2])
     main_ppo(sys.argv[1], sys.argv[2])
     main_windows(sys.argv[1], sys.argv[2])

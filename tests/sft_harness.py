@@ -15,17 +15,8 @@ from datasets import Dataset, disable_progress_bars
 disable_progress_bars()
 
 from trl_tree.sft_data import expand_turns
-from trl_tree.tiny import tiny_model, tiny_tokenizer
-
-#: a tiny chat template in the tokenizer's characters, with TRL's generation markers
-#: (``assistant_only_loss``) and the tools' names in front of the conversation
-CHAT_TEMPLATE = (
-    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'a:' }}{% generation %}"
-    "{{ m['content'] + '.' }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}{{ m['role'][0] + ':' + m['content'] + ';' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
-)
+from trl_tree.tiny import tiny_model
+from trl_tree.toy import chat_tokenizer
 
 SYSTEM = "you answer with the word count of the question, then a tool call when asked"
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
@@ -33,9 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 
 
 def sft_tokenizer():
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return chat_tokenizer()
 
 
 def save_sft_checkpoint(path, family: str = "qwen2", **overrides) -> str:

@@ -32,6 +32,22 @@ def launched(tmp_path_factory):
     return out
 
 
+def test_sft_two_processes_agree_and_the_tree_equals_stock(launched):
+    """TreeSFTTrainer under DDP: packed (DDP's hooks) and dfs (gradients averaged by hand) give stock
+    SFTTrainer's update on both ranks; the grouped sampler trains every rank on as many tokens."""
+    runs = {(m, r): torch.load(launched / f"sft_{m}_rank{r}.pt") for m in ("stock", "packed", "dfs", "groups")
+            for r in (0, 1)}
+    for mode in ("stock", "packed", "dfs", "groups"):
+        for name, p in runs[(mode, 0)].items():
+            assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
+    stock = runs[("stock", 0)]
+    for mode in ("packed", "dfs"):
+        for name, p in stock.items():
+            q = runs[(mode, 0)][name]
+            assert torch.allclose(p.double(), q.double(), rtol=1e-6, atol=1e-9), f"{mode} differs from stock on {name}"
+    assert int(runs[("groups", 0)]["tokens"]) > 0
+
+
 def test_two_processes_agree_and_dfs_and_graphs_equal_packed(launched):
     """Packed, dfs, packed graphs and the walk's unit graphs (CPU stand-in): ranks agree, all equal packed."""
     tmp_path = launched

@@ -1,10 +1,12 @@
-"""A toy GRPO task with a tiny policy built in code: what the demo and the examples train offline.
+"""Toy tasks with a tiny policy built in code: what the demo and the examples train offline.
 
 The policy is a randomly initialised Qwen2-shaped model over :func:`trl_tree.tiny.tiny_tokenizer`'s
 characters, saved to a local directory so TRL can load it (and build a reference model from it)
 like any checkpoint. The task: long shared prompts (so a GRPO group has a real prefix to share)
 and a reward for writing the letter ``a`` — learnable by a random model within tens of steps, so
-the reward visibly rises on a CPU.
+the reward visibly rises on a CPU. For SFT: a small chat template in the same characters (with
+TRL's generation markers) and generated agentic conversations — a long system prompt, a tool, and
+turns that look a key up and answer with its value — whose per-turn samples share their histories.
 """
 
 from __future__ import annotations
@@ -36,9 +38,58 @@ INSTRUCTION = (
 TOY_PPO: dict = {"num_ppo_epochs": 1, "lam": 1.0, "critic_warmup_steps": 2, "kl_coef": 0.01, "vf_coef": 0.1}
 
 
-def build_tiny_policy(path: str | Path, hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> str:
-    """Save a tiny Qwen2-shaped causal LM and its tokenizer to ``path``; return the path."""
+#: a chat template in ``tiny_tokenizer``'s characters: the tools' names first, one letter per role,
+#: an assistant turn inside TRL's generation markers (``assistant_only_loss``) and ended by eos
+CHAT_TEMPLATE = (
+    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'a:' }}{% generation %}"
+    "{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['role'][0] + ':' + m['content'] + ';' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
+)
+
+AGENT_SYSTEM = (
+    "you are an agent with a key value store. to answer a question about a key, first call the tool lookup "
+    "with the key, then answer with the value it returns, in one short sentence. "
+)
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "the value stored under a key",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+AGENT_KEYS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
+
+
+def chat_tokenizer():
+    """``tiny_tokenizer`` with :data:`CHAT_TEMPLATE`."""
     tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def toy_conversations(n: int = 64, questions: int = 2, seed: int = 0) -> list[dict]:
+    """``n`` agentic conversations (``{"messages", "tools"}``): the system prompt, then per question
+    a user turn, the assistant's tool call, the tool's answer and the assistant's reply."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": AGENT_SYSTEM}]
+        for _ in range(questions):
+            key = AGENT_KEYS[int(torch.randint(len(AGENT_KEYS), (1,), generator=g))]
+            value = int(torch.randint(100, (1,), generator=g))
+            messages += [
+                {"role": "user", "content": f"what is stored under {key}?"},
+                {"role": "assistant", "content": f"lookup({key})"},
+                {"role": "tool", "content": f"{key} = {value}"},
+                {"role": "assistant", "content": f"the value of {key} is {value}."},
+            ]
+        out.append({"messages": messages, "tools": AGENT_TOOLS})
+    return out
+
+
+def build_tiny_policy(path: str | Path, hidden_size: int = 128, num_layers: int = 4, seed: int = 0,
+                      chat: bool = False) -> str:
+    """Save a tiny Qwen2-shaped causal LM and its tokenizer (``chat``: with :data:`CHAT_TEMPLATE`)
+    to ``path``; return the path."""
+    tok = chat_tokenizer() if chat else tiny_tokenizer()
     model = tiny_model(
         "qwen2", seed=seed, vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,
@@ -85,10 +136,10 @@ def quarter_means(values: list[float]) -> tuple[float, float]:
     return sum(values[:q]) / q, sum(values[-q:]) / q
 
 
-def learning_line(values: list[float]) -> str:
-    """``reward 0.031 -> 0.846 (first -> last quarter of 16 logged steps)``."""
+def learning_line(values: list[float], what: str = "reward") -> str:
+    """``reward 0.031 -> 0.846 (first -> last quarter of 16 logged steps)`` (``what``: "loss" for SFT)."""
     first, last = quarter_means(values)
-    return f"reward {first:.3f} -> {last:.3f} (first -> last quarter of {len(values)} logged steps)"
+    return f"{what} {first:.3f} -> {last:.3f} (first -> last quarter of {len(values)} logged steps)"
 
 
 def reward_letter_a(completions, **kwargs) -> list[float]:

@@ -183,6 +183,8 @@ def announce_grouping(trainer) -> None:
     """One line at construction: T/U in TRL's order and with ``tree_shuffle='groups'``, or that the
     samples share nothing (the tree then gives nothing, and its calls run as stock's padded batch)."""
     args, dataset = trainer.args, trainer.train_dataset
+    if not trainer.accelerator.is_main_process:
+        return
     if dataset is None or not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names \
             or args.packing:
         return

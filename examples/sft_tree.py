@@ -1,0 +1,96 @@
+"""Agentic SFT with TreeSFTTrainer: TRL's script with one import and one config class changed.
+
+    python examples/sft_tree.py                           # tiny built-in model, generated agent data, CPU or GPU
+    python examples/sft_tree.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset my_conversations.jsonl
+    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/sft_tree.py
+
+Each conversation (a system prompt, a tool, turns that call the tool and answer with what it
+returned) becomes one sample per assistant turn with its whole history (``trl_tree.sft_data.
+expand_turns``), and ``tree_shuffle="groups"`` puts the turns of one conversation in one
+micro-batch, so each history is computed once. ``--dataset`` reads a local JSONL or Parquet file
+with a ``messages`` column (expanded the same way; ``--no-expand`` trains the rows as they are) or
+any other dataset SFTTrainer takes. ``--shuffle rows`` keeps TRL's own order: the update is then
+stock SFTTrainer's, bit for bit, and the tree shares what happens to meet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: tiny built-in model)")
+    parser.add_argument("--dataset", default=None, help="local .jsonl/.json/.parquet file (default: generated)")
+    parser.add_argument("--no-expand", action="store_true", help="train conversations as they are, not per turn")
+    parser.add_argument("--mode", default="packed", choices=("packed", "dfs", "off"))
+    parser.add_argument("--shuffle", default="groups", choices=("groups", "rows"), help="tree_shuffle")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=128, help="generated conversations")
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--token-budget", type=int, default=None, help="tree_token_budget")
+    parser.add_argument("--output-dir", default=None)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="sft_tree_", ignore_cleanup_errors=True) as workdir:
+        _train(args, workdir)
+
+
+def _load(args):
+    from datasets import Dataset, load_dataset
+
+    from trl_tree.sft_data import expand_turns_batched
+    from trl_tree.toy import toy_conversations
+
+    if args.dataset is None:
+        data = Dataset.from_list(toy_conversations(args.conversations))
+    else:
+        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
+        data = load_dataset(kind, data_files=args.dataset, split="train")
+    if "messages" in data.column_names and not args.no_expand:
+        data = data.map(expand_turns_batched, batched=True, remove_columns=data.column_names)
+    return data
+
+
+def _train(args, workdir: str) -> None:
+    # imported after the arguments are parsed, so that --help answers at once
+    import torch
+
+    from trl_tree import TreeSFTConfig, TreeSFTTrainer
+    from trl_tree.toy import build_tiny_policy, learning_line
+
+    # every process builds the same tiny model from the same seed, so no file has to be shared
+    model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True)
+    config = TreeSFTConfig(
+        output_dir=args.output_dir or os.path.join(workdir, "out"),
+        tree_mode=args.mode,
+        tree_shuffle=args.shuffle,
+        tree_token_budget=args.token_budget,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        max_length=None if args.model is None else 4096,
+        gradient_checkpointing=args.model is not None,  # the tiny model needs no recompute
+        bf16=args.model is not None,  # the tiny model trains in fp32
+        use_cpu=not torch.cuda.is_available(),  # CPU processes then join one gloo process group
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
+    trainer = TreeSFTTrainer(model=model, args=config, train_dataset=_load(args))
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        ratio = sum(h.get("tree/total_tokens", 0) for h in logs) / max(sum(h.get("tree/unique_tokens", 0)
+                                                                           for h in logs), 1)
+        print(f"{learning_line([h['loss'] for h in logs], 'loss')}; token accuracy "
+              f"{logs[0]['mean_token_accuracy']:.2f} -> {logs[-1]['mean_token_accuracy']:.2f}; "
+              f"T/U {ratio if args.mode != 'off' else 1.0:.2f}; processes {trainer.accelerator.num_processes}")
+
+
+if __name__ == "__main__":
+    main()
