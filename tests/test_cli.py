@@ -168,3 +168,23 @@ def test_inspect_takes_a_model_directory(rollouts, tmp_path, capsys, monkeypatch
     shaped_config("0.5b").save_pretrained(tmp_path / "my-model")
     assert main(["inspect", str(folder / "ids.jsonl"), "--model", str(tmp_path / "my-model")]) == 0
     assert "my-model" in capsys.readouterr().out
+
+
+def test_inspect_sft_compares_trl_order_with_the_sampler(tmp_path, capsys):
+    """``inspect --sft --per-turn`` on conversations: per-turn samples, T/U in TRL's order and with
+    the grouped sampler (which brings each conversation's turns together), per micro-batch."""
+    from trl_tree.toy import chat_tokenizer, toy_conversations
+
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in toy_conversations(24)))
+    chat_tokenizer().save_pretrained(tmp_path / "tok")
+    argv = ["inspect", str(path), "--tokenizer", str(tmp_path / "tok"), "--sft", "--per-turn"]
+    assert main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["groups"]["rows"] == report["trl_order"]["rows"] == 24 * 4
+    assert report["groups"]["dedup_ratio"] > report["trl_order"]["dedup_ratio"] > 1.0
+    assert len(report["groups_micro_batch_T_over_U"]) == 12
+    assert main(argv) == 0
+    assert "tree_shuffle='groups': T/U" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --per-turn without --sft: a usage error
+        main(["inspect", str(path), "--tokenizer", str(tmp_path / "tok"), "--per-turn"])

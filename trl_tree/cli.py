@@ -34,6 +34,11 @@ def _inspect(argv: list[str]) -> int:
     parser.add_argument("--rows-per-forest", type=int, default=None,
                         help="rows per forest, like a micro-batch (default: all rows in one forest)")
     parser.add_argument("--limit", type=int, default=None, help="read only the first N rows")
+    parser.add_argument("--sft", action="store_true",
+                        help="the rows are SFT samples: micro-batches of --rows-per-forest (default 8) in TRL's order "
+                        "and with TreeSFTTrainer's sampler (tree_shuffle='groups'), T/U per micro-batch")
+    parser.add_argument("--per-turn", action="store_true",
+                        help="with --sft: a 'messages' row becomes one sample per assistant turn (sft_data.expand_turns)")
     parser.add_argument("--png", default=None, help="write a picture of the first forest's shape here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
@@ -43,10 +48,18 @@ def _inspect(argv: list[str]) -> int:
 
     from .inspection import InspectError, draw_forest, inspect, load_rows, load_tokenizer, sequences_from_rows
 
+    if args.per_turn and not args.sft:
+        parser.error("--per-turn expands SFT conversations: add --sft")
     try:
         config, name = _model_config(args.model)
         rows = load_rows(args.file)[: args.limit]
+        if args.per_turn:
+            from .sft_data import expand_turns
+
+            rows = [sample for row in rows for sample in expand_turns(row)]
         seqs, score_from = sequences_from_rows(rows, load_tokenizer(args.tokenizer))
+        if args.sft:
+            return _inspect_sft(args, seqs, score_from, config, name)
         report, forests = inspect(seqs, score_from, config, name, args.rows_per_forest, progress=not args.json)
         if args.png:
             draw_forest(forests[0], args.png)
@@ -59,6 +72,29 @@ def _inspect(argv: list[str]) -> int:
         print("\n".join(report.lines()))
         if args.png:
             print(f"forest picture: {args.png}")
+    return 0
+
+
+def _inspect_sft(args, seqs, score_from, config, name) -> int:
+    import json
+    import statistics
+
+    from .inspection import inspect_sft
+
+    batch = args.rows_per_forest or 8
+    stock, grouped, ratios = inspect_sft(seqs, score_from, config, name, batch)
+    if args.json:
+        print(json.dumps({"trl_order": {**vars(stock), "dedup_ratio": stock.dedup_ratio},
+                          "groups": {**vars(grouped), "dedup_ratio": grouped.dedup_ratio},
+                          "groups_micro_batch_T_over_U": ratios}, indent=1))
+        return 0
+    print(f"{len(seqs)} SFT samples in micro-batches of {batch}")
+    print(f"TRL's order (tree_shuffle='rows'): T/U {stock.dedup_ratio:.2f}, speed-up ceiling "
+          f"{stock.flop_ratio:.2f}x")
+    print(f"tree_shuffle='groups': T/U {grouped.dedup_ratio:.2f}, speed-up ceiling {grouped.flop_ratio:.2f}x")
+    print(f"  T/U per micro-batch: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, "
+          f"max {max(ratios):.2f}; first: {', '.join(f'{r:.2f}' for r in ratios[:12])}")
+    print("with groups, " + "\n".join(grouped.lines()[1:]))
     return 0
 
 

@@ -108,14 +108,15 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
                 prompt, completion = _ids(row["prompt_ids"]), _ids(row["completion_ids"])
             elif chosen == ("input_ids",):
                 prompt, completion = _ids(row["input_ids"])[:1], _ids(row["input_ids"])[1:]
+            elif chosen == ("prompt", "completion") and isinstance(row["prompt"], list):  # conversational
+                ids = _chat(tokenizer, row["prompt"] + row["completion"], row.get("tools"))
+                prompt = _chat(tokenizer, row["prompt"], row.get("tools"), generation_prompt=True)
+                prompt, completion = ids[: len(prompt)], ids[len(prompt) :]
             elif chosen == ("prompt", "completion"):
                 prompt = _encode(tokenizer, row["prompt"])
                 completion = _encode(tokenizer, row["completion"], special=False)
             elif chosen == ("messages",):
-                if getattr(tokenizer, "chat_template", None) is None:
-                    raise InspectError("column 'messages' holds chats but the tokenizer has no chat template")
-                ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)
-                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+                ids = _chat(tokenizer, row["messages"], row.get("tools"))
                 prompt, completion = ids[:1], ids[1:]
             else:
                 ids = _encode(tokenizer, row["text"])
@@ -129,6 +130,31 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
         seqs.append(prompt + completion)
         score_from.append(len(prompt))
     return seqs, score_from
+
+
+def _chat(tokenizer, messages, tools=None, generation_prompt: bool = False) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InspectError("the rows hold chats but the tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+
+
+def inspect_sft(seqs: list[list[int]], score_from: list[int], config, model_name: str, batch_size: int
+                ) -> tuple[Report, Report, list[float]]:
+    """SFT samples in micro-batches of ``batch_size``: the report in TRL's (random) order, the report
+    with the prefix-grouped sampler (``tree_shuffle='groups'``), and the grouped micro-batches' T/U."""
+    from .trainers.sft_sampler import PrefixGroupedSampler
+
+    order = np.random.default_rng(0).permutation(len(seqs)).tolist()
+    _, chunks = PrefixGroupedSampler([np.asarray(s) for s in seqs], batch_size).micro_batches(0)
+    grouped = [int(i) for chunk in chunks for i in chunk]
+    reports = []
+    for ordering in (order, grouped):
+        report, forests = inspect([seqs[i] for i in ordering], [score_from[i] for i in ordering], config,
+                                  model_name, batch_size)
+        reports.append((report, forests))
+    ratios = [f.dedup_ratio for f in reports[1][1]]
+    return reports[0][0], reports[1][0], ratios
 
 
 def _ids(value) -> list[int]:

@@ -2,6 +2,7 @@
 
     python -m trl_tree.bench.trainer [--size 1.5b] [--group 16] [--prompt 2048] [--completion 512]
     python -m trl_tree.bench.trainer --algo ppo --critic separate [--workload W4] [--lora]
+    python -m trl_tree.bench.trainer --algo sft [--size 1.5b] [--shapes turns_2x8,...]   (bench/sft.py)
 
 Generation is replaced by a ``rollout_func`` returning random rollouts of the given shape (a group
 per step, no sampling cost), so what is timed is TRL's training step: the policy forward, TRL's
@@ -36,6 +37,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import tempfile
 import zlib
 from contextlib import contextmanager
@@ -205,6 +207,11 @@ class BenchRollouts:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _takes_algo(argv, "sft"):  # SFT's data shapes and modes are its own (bench/sft.py)
+        from .sft import main as sft
+
+        return sft([a for i, a in enumerate(argv) if not _is_algo_arg(argv, i)])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
@@ -223,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
-    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo"))
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo", "sft"),
+                        help="sft: TreeSFTTrainer on SFT data shapes (its options: --algo sft --help)")
     parser.add_argument("--critic", default="separate", choices=("separate", "shared", "adapter"))
     parser.add_argument("--workload", default="group", choices=("group", "W4"),
                         help="group: --group completions of one --prompt; W4: the suite's agentic tree")
@@ -380,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
         "results": results})
     return 0
+
+
+def _is_algo_arg(argv: list[str], i: int) -> bool:
+    """Whether ``argv[i]`` is (part of) the ``--algo`` option."""
+    return argv[i] == "--algo" or argv[i].startswith("--algo=") or (i > 0 and argv[i - 1] == "--algo")
+
+
+def _takes_algo(argv: list[str], algo: str) -> bool:
+    return any(argv[i] == f"--algo={algo}" or (argv[i] == "--algo" and argv[i + 1 : i + 2] == [algo])
+               for i in range(len(argv)))
 
 
 if __name__ == "__main__":

@@ -119,3 +119,76 @@ def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORK
     if unknown:
         raise ValueError(f"unknown workloads {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
     return [build() for name, build in builders.items() if name in names]
+
+
+# ---------------------------------------------------------------------- SFT data shapes
+@dataclass
+class SFTShape:
+    """SFT samples as SFTTrainer's prepared rows: token ids and labels (-100 where no loss)."""
+
+    name: str
+    description: str
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+
+    @property
+    def score_from(self) -> list[int]:
+        """Each sample's first labelled token (what the FLOP limit scores from)."""
+        return [next(i for i, x in enumerate(lab) if x != -100) for lab in self.labels]
+
+
+def _per_turn(rng, vocab: int, conversations: int, turns: int, system: int, user: int, answer: int,
+              reasoning: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """One sample per assistant turn with its whole history, the loss on that turn only (its
+    reasoning and answer); ``reasoning``: each turn's reasoning is left out of later histories."""
+    head = rng.integers(1, vocab, system).tolist()
+    ids, labels = [], []
+    for _ in range(conversations):
+        history = list(head)
+        for _ in range(turns):
+            question = rng.integers(1, vocab, user).tolist()
+            thought = rng.integers(1, vocab, reasoning).tolist()
+            reply = rng.integers(1, vocab, answer).tolist()
+            prompt = history + question
+            ids.append(prompt + thought + reply)
+            labels.append([-100] * len(prompt) + thought + reply)
+            history = prompt + reply  # later turns see the answer, not the reasoning
+    return ids, labels
+
+
+def sft_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) -> list[SFTShape]:
+    """The SFT data shapes of the issue: per-turn conversations (2 x 8 turns under a 1k system prompt,
+    1 x 16 under 4k), best-of-n branches from one state, per-turn samples whose reasoning later
+    turns drop, one long system prompt before independent samples, and a no-sharing control."""
+    rng = np.random.default_rng(seed)
+
+    def branches():
+        state = rng.integers(1, vocab, 2048).tolist()
+        outs = [rng.integers(1, vocab, 512).tolist() for _ in range(8)]
+        return [state + o for o in outs], [[-100] * 2048 + o for o in outs]
+
+    def system_prompt():
+        head = rng.integers(1, vocab, 4096).tolist()
+        rows = [(rng.integers(1, vocab, 256).tolist(), rng.integers(1, vocab, 512).tolist()) for _ in range(16)]
+        return [head + q + a for q, a in rows], [[-100] * (4096 + 256) + a for q, a in rows]
+
+    def none():
+        ids = [rng.integers(1, vocab, int(n)).tolist() for n in np.linspace(1024, 2048, 16).round()]
+        return ids, [[-100] * 256 + s[256:] for s in ids]
+
+    builders = {
+        "turns_2x8": ("per-turn samples: 2 conversations x 8 turns (user 128, assistant 384), 1k system prompt",
+                      lambda: _per_turn(rng, vocab, 2, 8, 1024, 128, 384)),
+        "turns_1x16": ("per-turn samples: 1 conversation x 16 turns (user 128, assistant 384), 4k system prompt",
+                       lambda: _per_turn(rng, vocab, 1, 16, 4096, 128, 384)),
+        "branches": ("8 continuations of 512 tokens from one 2k-token state (best-of-n kept together)", branches),
+        "reasoning": ("per-turn samples with reasoning later turns drop: 8 turns (user 128, reasoning 512, "
+                      "answer 256), 1k system prompt", lambda: _per_turn(rng, vocab, 1, 8, 1024, 128, 256, 512)),
+        "system": ("16 samples (user 256, answer 512) behind one 4k system prompt", system_prompt),
+        "none": ("no sharing: 16 samples of 1024-2048 tokens (loss after 256)", none),
+    }
+    chosen = list(builders) if names is None else list(names)
+    unknown = set(chosen) - set(builders)
+    if unknown:
+        raise ValueError(f"unknown SFT shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    return [SFTShape(name, builders[name][0], *builders[name][1]()) for name in chosen]
