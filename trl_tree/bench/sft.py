@@ -6,8 +6,9 @@ Each SFT data shape (``workloads.sft_shapes``) is one micro-batch of samples, tr
 ``stock`` (SFTTrainer, a padded batch of the samples, sdpa), ``stock_packed`` (SFTTrainer with
 ``packing=True``, bfd: the samples packed padding-free into one row, attention through the best
 kernel transformers accepts here — FlashAttention-4 when ``flash_attn.cute`` imports, else sdpa on
-the packed row — recorded in the results), and ``tree`` / ``tree_dfs`` (TreeSFTTrainer, packed and
-dfs). What is timed is the training step without the optimizer (``Trainer.training_step``: forward,
+the packed row — recorded in the results as ``attention``), and ``tree`` / ``tree_dfs``
+(TreeSFTTrainer, packed and dfs; the model loads with sdpa, the tree runs its own attention kernels,
+``tree_attn_backend="auto"`` or ``tree@BACKEND``). What is timed is the training step without the optimizer (``Trainer.training_step``: forward,
 loss and backward of the micro-batch, CUDA-synchronised), median over the steps after the first;
 gradient checkpointing on (TRL's default), SGD so that the optimizer's state does not limit the
 model size. The FLOP limit is the cost model's (``inspection.inspect``): stock's FLOPs on the real
@@ -27,7 +28,9 @@ import torch
 
 from .common import dump, environment
 
-MODES = ("stock", "stock_packed", "tree", "tree_dfs")
+#: in this order: the tree first, so its step is timed before stock's large padded batches have
+#: grown the caching allocator (measured once: one shape's tree step 1.5x slower when run after them)
+MODES = ("tree", "stock_packed", "stock", "tree_dfs")
 
 
 def _attention_for_packing() -> str:
@@ -68,6 +71,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     from ..trainers import TreeSFTConfig, TreeSFTTrainer
     from .trainer import _tokenizer
 
+    mode, _, backend = mode.partition("@")  # tree@torch_flash: tree_attn_backend
     packed = mode == "stock_packed"
     attention = _attention_for_packing() if packed else "sdpa"
     torch.manual_seed(0)
@@ -89,7 +93,8 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
                   disable_tqdm=True, max_length=total if packed else None, packing=packed,
                   per_device_train_batch_size=1 if packed else len(shape.input_ids))
     if mode.startswith("tree"):
-        args = TreeSFTConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed")
+        args = TreeSFTConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed",
+                             tree_attn_backend=backend or "auto")
         trainer = TreeSFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer(
             config.vocab_size))
     else:
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
     parser.add_argument("--shapes", default=None, help="comma-separated (default: all of workloads.sft_shapes)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, of {MODES}; tree@BACKEND sets tree_attn_backend")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
