@@ -11,12 +11,12 @@ import copy
 
 import torch
 from datasets import Dataset, disable_progress_bars
-
-disable_progress_bars()
+from trainer_harness import save_tiny_checkpoint
 
 from trl_tree.sft_data import expand_turns
-from trl_tree.tiny import tiny_model
 from trl_tree.toy import chat_tokenizer
+
+disable_progress_bars()
 
 SYSTEM = "you answer with the word count of the question, then a tool call when asked"
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
@@ -28,14 +28,8 @@ def sft_tokenizer():
 
 
 def save_sft_checkpoint(path, family: str = "qwen2", **overrides) -> str:
-    tok = sft_tokenizer()
-    fields = dict(vocab_size=len(tok), max_position_embeddings=1024, initializer_range=0.05)
-    model = tiny_model(family, **{**fields, **overrides})
-    for cfg in (model.config, model.generation_config):
-        cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny_checkpoint(path, family, tokenizer=sft_tokenizer(), **{"max_position_embeddings": 1024,
+                                                                          **overrides})
 
 
 def conversations(n: int = 4, turns: int = 3, tools: bool = False) -> list[dict]:

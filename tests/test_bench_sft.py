@@ -4,7 +4,7 @@
 import numpy as np
 
 from trl_tree.bench.sft import run_mode
-from trl_tree.bench.workloads import _per_turn, sft_shapes, SFTShape
+from trl_tree.bench.workloads import SFTShape, _per_turn, sft_shapes
 from trl_tree.tiny import tiny_config
 
 

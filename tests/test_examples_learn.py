@@ -49,19 +49,6 @@ def run_example(script: str, argv: list[str], monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_sft_example_learns(monkeypatch, capsys, tmp_path):
-    """``examples/sft_tree.py``, shortened: the loss falls by at least 10% and the grouped per-turn
-    samples share their histories."""
-    run_example("sft_tree.py", ["--steps", "40", "--conversations", "48"], monkeypatch, tmp_path)
-    out = capsys.readouterr().out
-    match = re.search(r"loss ([0-9.]+) -> ([0-9.]+) \(first -> last quarter.*T/U ([0-9.]+)", out)
-    assert match, out[-2000:]
-    first, last, ratio = map(float, match.groups())
-    assert last <= 0.9 * first and ratio > 2.0, match.group(0)
-    assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"
-
-
-@pytest.mark.slow
 def test_demo_ppo_learns(capsys):
     """``python -m trl_tree --algo ppo``, shortened: the tree run's reward rises, and the untreed
     step is timed against it."""

@@ -1,10 +1,13 @@
 """The prefix-grouped sampler: every sample once per epoch, a new order each epoch, the same order
 for the same (seed, epoch) — what resuming needs — and micro-batches that share prefixes."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from sft_harness import dataset, run, save_sft_checkpoint
+from test_examples_learn import run_example
 
 from trl_tree import PrefixForest, TreeSFTConfig, TreeSFTTrainer
 from trl_tree.trainers.sft_sampler import PrefixGroupedSampler, SampleTrie, grouping_estimate
@@ -122,3 +125,16 @@ def test_a_resumed_run_continues_in_the_same_order(tmp_path):
     for a, b in zip(full_steps[5:], later):
         assert b["tree/total_tokens"] == a["tree/total_tokens"] and b["tree/unique_tokens"] == a["tree/unique_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_example_learns(monkeypatch, capsys, tmp_path):
+    """``examples/sft_tree.py``, shortened: the loss falls by at least 10% and the grouped per-turn
+    samples share their histories."""
+    run_example("sft_tree.py", ["--steps", "24", "--conversations", "32"], monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    match = re.search(r"loss ([0-9.]+) -> ([0-9.]+) \(first -> last quarter.*T/U ([0-9.]+)", out)
+    assert match, out[-2000:]
+    first, last, ratio = map(float, match.groups())
+    assert last <= 0.9 * first and ratio > 2.0, match.group(0)
+    assert not list(tmp_path.iterdir()), "the example left its temporary folder behind"

@@ -142,3 +142,32 @@ def test_compute_loss_func_and_moe_aux_loss_are_refused(checkpoint, tmp_path):
 
 def test_tree_mode_off_is_stock(checkpoint):
     _compare(checkpoint, dataset("turns"), tree_only={"tree_mode": "off"})
+
+
+def test_construction_says_what_grouping_buys(checkpoint, caplog):
+    """One line: T/U in TRL's order and with groups; for samples that share nothing, that the tree
+    gives nothing here."""
+    import logging
+
+    from datasets import Dataset
+
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+        run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns", n=4, turns=4), max_steps=1)
+    assert any("in TRL's order" in r.message and "with tree_shuffle='groups'" in r.message for r in caplog.records)
+    caplog.clear()
+    distinct = Dataset.from_list([{"text": c * 30} for c in "abcdefgh"])
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+        run(TreeSFTTrainer, TreeSFTConfig, checkpoint, distinct, max_steps=1)
+    assert any("the tree gives nothing here" in r.message for r in caplog.records)
+
+
+def test_malformed_conversations_get_stocks_error(checkpoint):
+    from datasets import Dataset
+
+    bad = Dataset.from_list([{"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]}] * 4)
+    errors = []
+    for trainer_cls, config_cls in ((SFTTrainer, SFTConfig), (TreeSFTTrainer, TreeSFTConfig)):
+        with pytest.raises(Exception) as err:
+            run(trainer_cls, config_cls, checkpoint, bad)
+        errors.append((type(err.value), str(err.value)))
+    assert errors[0] == errors[1]

@@ -21,8 +21,9 @@ from trl_tree.tiny import tiny_model, tiny_tokenizer
 PROMPTS = [("count the a letters in " + "banana " * (1 + i % 3) + str(i)) for i in range(32)]
 
 
-def save_tiny_checkpoint(path, family: str = "qwen2", **overrides) -> str:
-    tok = tiny_tokenizer()
+def save_tiny_checkpoint(path, family: str = "qwen2", tokenizer=None, **overrides) -> str:
+    """A tiny model of ``family`` and its tokenizer (``tiny_tokenizer`` unless given) saved at ``path``."""
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     fields = dict(vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.05)
     model = tiny_model(family, **{**fields, **overrides})
     for cfg in (model.config, model.generation_config):

@@ -75,6 +75,17 @@ def time_cuda(
 KERNELS = ("hf", "liger", "compiled")
 
 
+def bench_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one entry per model token id, so TRL can decode any rollout."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
 def add_kernels_arg(parser) -> None:
     parser.add_argument(
         "--kernels", default="hf", choices=KERNELS,

@@ -8,8 +8,9 @@ Each SFT data shape (``workloads.sft_shapes``) is one micro-batch of samples, tr
 kernel transformers accepts here — FlashAttention-4 when ``flash_attn.cute`` imports, else sdpa on
 the packed row — recorded in the results as ``attention``), and ``tree`` / ``tree_dfs``
 (TreeSFTTrainer, packed and dfs; the model loads with sdpa, the tree runs its own attention kernels,
-``tree_attn_backend="auto"`` or ``tree@BACKEND``). What is timed is the training step without the optimizer (``Trainer.training_step``: forward,
-loss and backward of the micro-batch, CUDA-synchronised), median over the steps after the first;
+``tree_attn_backend="auto"`` or ``tree@BACKEND``). What is timed is the training step without the
+optimizer (``Trainer.training_step``: forward, loss and backward of the micro-batch,
+CUDA-synchronised), median over the steps after the first;
 gradient checkpointing on (TRL's default), SGD so that the optimizer's state does not limit the
 model size. The FLOP limit is the cost model's (``inspection.inspect``): stock's FLOPs on the real
 tokens (packing's, with no padding) over the tree's.
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from .common import dump, environment
+from .common import bench_tokenizer, dump, environment
 
 #: in this order: the tree first, so its step is timed before stock's large padded batches have
 #: grown the caching allocator (measured once: one shape's tree step 1.5x slower when run after them)
@@ -69,7 +70,6 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from ..trainers import TreeSFTConfig, TreeSFTTrainer
-    from .trainer import _tokenizer
 
     mode, _, backend = mode.partition("@")  # tree@torch_flash: tree_attn_backend
     packed = mode == "stock_packed"
@@ -95,11 +95,11 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     if mode.startswith("tree"):
         args = TreeSFTConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed",
                              tree_attn_backend=backend or "auto")
-        trainer = TreeSFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer(
+        trainer = TreeSFTTrainer(model=model, args=args, train_dataset=data, processing_class=bench_tokenizer(
             config.vocab_size))
     else:
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data,
-                             processing_class=_tokenizer(config.vocab_size))
+                             processing_class=bench_tokenizer(config.vocab_size))
     times = _timed(trainer)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -47,18 +47,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..dfs.graphs import unit_graph_stats
-from .common import add_grpo_shape_args, add_kernels_arg, dump, environment
-
-
-def _tokenizer(vocab_size: int):
-    """A word-level tokenizer with one entry per model token id, so TRL can decode any rollout."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+from .common import add_grpo_shape_args, add_kernels_arg, bench_tokenizer, dump, environment
 
 
 #: what ``--update-check`` runs and compares (recorded with its results)
@@ -268,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
 
     config = shaped_config(args.size)
-    tok = _tokenizer(config.vocab_size)
+    tok = bench_tokenizer(config.vocab_size)
     rollout = BenchRollouts(config.vocab_size, args.prompt, args.completion, args.group, args.free_lengths,
                             agentic=args.workload == "W4")
     if args.workload == "W4":
