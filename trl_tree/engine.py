@@ -54,6 +54,8 @@ from .packed import (  # noqa: F401  (tree_forward, call_token_loss, TokenLoss: 
 from .router import RouterAux
 
 MODES = ("packed", "dfs", "auto")
+#: what ``tree_logprobs(head_outputs=...)`` can return besides log-probs and entropies
+HEAD_OUTPUTS = ("is_top1", "mean_logits", "log_sum_sq_probs")
 
 
 def _check_mode(mode: str) -> None:
@@ -173,7 +175,7 @@ def _score(
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and not runs_as_padded_batch(parts, forest)
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None
-            and parts.top1 is None):  # the replayed head computes no argmax
+            and not parts.head_outputs):  # the replayed head computes only log-probs and entropies
         backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=True,
                                            **attention_features(parts.causal_lm.config))
@@ -269,7 +271,7 @@ def tree_logprobs(
     lm_head_fp32: bool = False,
     router: RouterAux | None = None,
     value_head: torch.nn.Module | None = None,
-    return_top1: bool = False,
+    head_outputs: Sequence[str] = (),
     **deprecated_knobs: object,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
     """Per-token log-probs of every sequence, computing each shared token once.
@@ -302,22 +304,22 @@ def tree_logprobs(
     every call's router logits (an MoE model's load-balancing loss, ``router.loss()``).
     ``value_head``: a critic's head on the policy's trunk (hidden ``[n, H]`` -> ``[n, 1]``); the same
     forward also gives ``values[i][j]``, the head at the state that predicts ``logps[i][j]``, returned
-    last: ``(logps, values)`` or ``(logps, entropies, values)``. ``return_top1=True``: also (last of
-    all) whether each scored token is the head's most likely one (bool; TRL's ``is_top1``, SFT's
-    token accuracy) — a by-product of the fused head, so calls that ask for it replay no CUDA graph.
+    last: ``(logps, values)`` or ``(logps, entropies, values)``. ``head_outputs``: by-products of
+    TRL's fused head per scored token, returned last in the order named: ``"is_top1"`` (bool: the
+    target is the head's most likely token; SFT's token accuracy), ``"mean_logits"`` (DPO's
+    ``logits/*``), ``"log_sum_sq_probs"`` (WPO's weights); calls that ask for them replay no CUDA graph.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_logprobs", FORWARD_KNOBS)
-    logp, ent, values, plan, top1 = _forward_scores(model, seqs, mode, opts, temperature, return_entropy, score_from,
-                                                    rope_length, lm_head_fp32, router, value_head, values_only=False,
-                                                    return_top1=return_top1)
+    logp, ent, values, plan, extra = _forward_scores(model, seqs, mode, opts, temperature, return_entropy,
+                                                     score_from, rope_length, lm_head_fp32, router, value_head,
+                                                     values_only=False, head_outputs=tuple(head_outputs))
     counts = plan.counts.tolist()
     out = [list(logp.split(counts))]
     if return_entropy:
         out.append(list(ent.split(counts)))
     if value_head is not None:
         out.append(list(values.split(counts)))
-    if return_top1:
-        out.append(list(top1.split(counts)))
+    out += [list(x.split(counts)) for x in extra]
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -375,26 +377,27 @@ def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score
 
 
 def _forward_scores(model, seqs, mode: str, opts: TreeOptions, temperature, return_entropy, score_from, rope_length,
-                    lm_head_fp32, router, value_head, values_only: bool, return_top1: bool = False):
-    """Flat ``(logps, entropies, values, plan, top1)`` of :func:`tree_logprobs` / :func:`tree_values`
-    (``top1`` None unless ``return_top1``)."""
+                    lm_head_fp32, router, value_head, values_only: bool, head_outputs: tuple[str, ...] = ()):
+    """Flat ``(logps, entropies, values, plan, extra)`` of :func:`tree_logprobs` / :func:`tree_values`
+    (``extra``: the ``head_outputs`` asked for, in their order)."""
     parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
                                                      lm_head_fp32, router, value_head, values_only)
-    if return_top1:
-        if values_only:
-            raise ValueError("return_top1 asks the LM head, which a value-only call does not run")
-        parts.top1 = []
+    unknown = [name for name in head_outputs if name not in HEAD_OUTPUTS]
+    if unknown:
+        raise ValueError(f"head_outputs: {unknown} are not among {HEAD_OUTPUTS}")
+    if head_outputs and values_only:
+        raise ValueError("head_outputs asks the LM head, which a value-only call does not run")
+    parts.head_outputs = {name: [] for name in head_outputs}
     gather = torch.from_numpy(plan.gather).to(parts.device)
     if mode == "dfs":
         walk = _dfs_walk(parts, forest, plan, opts, temperature, False, forward_only=True)
-        *rows, top1 = walk.logprobs(return_entropy)
+        *rows, extra = walk.logprobs(return_entropy)
         logp, ent, values = (x.index_select(0, gather) if x is not None else None for x in rows)
     else:
         logp, ent, values, _ = _score(parts, forest, plan, opts, temperature, return_entropy)
-        top1 = torch.cat(parts.top1) if return_top1 else None
-    if top1 is not None:
-        top1 = top1.index_select(0, gather)  # the rows' argmax flags, read per term like the log-probs
-    return logp, ent, values, plan, top1
+        extra = [torch.cat(parts.head_outputs[name]) for name in head_outputs]
+    extra = [x.index_select(0, gather) for x in extra]  # per prediction -> per term, like the log-probs
+    return logp, ent, values, plan, extra
 
 
 def tree_backward(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from trl.kernels import ChunkedLogProbFunction
+from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS
 
 from .model_parts import ModelParts
 
@@ -39,8 +40,8 @@ def score_predictions(
         weight = weight.detach()
         bias = bias.detach() if bias is not None else None
     if pred_src.numel() == 0:
-        if parts.top1 is not None:
-            parts.top1.append(torch.zeros(0, dtype=torch.bool, device=hidden.device))
+        for name, kept in parts.head_outputs.items():
+            kept.append(torch.zeros(0, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device))
         # nothing to score (single-token sequences): an empty result still connected to the model, so
         # a backward leaves zero gradients where autograd on the untreed path leaves them too
         anchor = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0)
@@ -90,7 +91,7 @@ def score_rows(
 
 
 def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, with_entropy: bool):
-    outputs = (("entropy",) if with_entropy else ()) + (("is_top1",) if parts.top1 is not None else ())
+    outputs = (("entropy",) if with_entropy else ()) + tuple(parts.head_outputs)
     out = ChunkedLogProbFunction.apply(
         src,
         weight,
@@ -102,6 +103,6 @@ def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, wi
         parts.logit_scale,
         outputs,
     )
-    if parts.top1 is not None:  # whether each target is the argmax: the head's by-product, kept for the caller
-        parts.top1.append(out[4])
+    for name, kept in parts.head_outputs.items():  # the head's by-products, kept for the caller
+        kept.append(out[1 + OPTIONAL_OUTPUTS.index(name)])
     return out[0], (out[1] if with_entropy else None)

@@ -9,7 +9,7 @@ to the unique predictions, so the model is asked for no logits at all (``logits_
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -54,9 +54,10 @@ class ModelParts:
     value_head: torch.nn.Module | None = None
     #: whether the LM head scores log-probs (False: a value-only call, ``value_model_parts``)
     scores_logps: bool = True
-    #: a call that also asks whether each target is the head's argmax (SFT's token accuracy): every
-    #: scoring of the LM head appends its ``is_top1`` here; None: not asked
-    top1: list[torch.Tensor] | None = None
+    #: per-prediction by-products of the fused head a call asks for (TRL's ``is_top1``, ``mean_logits``,
+    #: ``log_sum_sq_probs``: SFT's and DPO's metrics and weights): every scoring of the LM head appends
+    #: each one's tensor to its list; empty: none asked
+    head_outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -181,9 +181,9 @@ class DepthFirstWalk:
     # ------------------------------------------------------------------ walks
     @torch.no_grad()
     def logprobs(self, with_entropy: bool) -> tuple[torch.Tensor | None, ...]:
-        """Per-row ``(logps, entropies, values, is_top1)`` from a forward-only walk (pops are no-ops);
-        None for what the call does not score (``is_top1``: asked by ``parts.top1``; no unit is then
-        replayed, the replayed head computes no argmax)."""
+        """Per-row ``(logps, entropies, values, extra)`` from a forward-only walk (pops are no-ops);
+        None for what the call does not score; ``extra``: the head's by-products ``parts.head_outputs``
+        asks for, in order (no unit is then replayed: the replayed head computes none)."""
         if self.plan.merged:
             raise ValueError("a forward-only walk scores every unit at its push or group: plan it without merge_pops")
         P = self.scoring.num_predictions
@@ -194,8 +194,9 @@ class DepthFirstWalk:
 
         out = (buffer(parts.scores_logps), buffer(parts.scores_logps and with_entropy),
                buffer(parts.value_head is not None))
-        top1 = torch.zeros(P, dtype=torch.bool, device=self.device) if parts.top1 is not None else None
-        replay = self._replay(with_entropy) if top1 is None else None
+        extra = [torch.zeros(P, dtype=torch.bool if name == "is_top1" else torch.float32, device=self.device)
+                 for name in parts.head_outputs]
+        replay = self._replay(with_entropy) if not extra else None
         for step in self.plan.steps:
             if step.op == "pop":
                 continue
@@ -206,14 +207,14 @@ class DepthFirstWalk:
                 if not self.rows[u].shape[0]:
                     continue
                 scores = self._score(u, hidden, with_entropy)
-                if top1 is not None:
-                    top1[self.rows[u]] = parts.top1.pop()
+                for target, kept in zip(extra, parts.head_outputs.values()):
+                    target[self.rows[u]] = kept.pop()
             for target, scored in zip(out, scores):
                 if target is not None:
                     target[self.rows[u]] = scored
         if self.graphs is not None:
             self.graphs.dirty = False
-        return (*out, top1)
+        return (*out, extra)
 
     def _replay(self, with_entropy: bool) -> UnitReplay | None:
         """The unit graphs for this walk (None without); the kept stack is marked in use."""

@@ -117,8 +117,8 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
         call_kwargs = self._call_kwargs(max(width, max(len(s) for s in rows.sequences)))
         with self.accelerator.autocast():
             logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
-                                                    None, call_kwargs, compute_top1=True)
-        top1 = self._tree_top1
+                                                    None, call_kwargs, head_outputs=("is_top1",))
+        top1 = self._tree_head_outputs["is_top1"]
         if two_pass:
             target = self.accelerator.unwrap_model(model)
 

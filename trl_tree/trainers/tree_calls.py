@@ -207,11 +207,12 @@ class TreeCallsMixin:
                 "options": self.args.tree_options()}
 
     def _score_calls(self, model, rows, calls, forests, compute_entropy, no_graph, router=None, call_kwargs=None,
-                     value_head=None, compute_top1=False):
+                     value_head=None, head_outputs: tuple[str, ...] = ()):
         """Padded ``(logps, entropies or None, values or None)`` of the rows, call by call;
-        ``compute_top1``: whether each scored token is the head's argmax lands in ``_tree_top1``
-        (padded the same way; SFT's token accuracy)."""
-        lps, ents, vals, top1 = [], [], [], []
+        ``head_outputs`` (``tree_logprobs``'s: ``is_top1``, ``mean_logits``, ...) land in the dict
+        ``_tree_head_outputs``, padded the same way."""
+        lps, ents, vals = [], [], []
+        extra: dict[str, list] = {name: [] for name in head_outputs}
         kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
         if value_head is not None:  # the graphs replay the LM head only
             kwargs["options"] = kwargs["options"].replace(cuda_graphs=False)
@@ -221,17 +222,16 @@ class TreeCallsMixin:
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
                                     score_from=rows.subset(call)[1], router=router, value_head=value_head,
-                                    return_top1=compute_top1, **kwargs)
+                                    head_outputs=head_outputs, **kwargs)
                 out = list(out) if isinstance(out, tuple) else [out]
                 lps.append(torch.cat(out.pop(0)))
                 if compute_entropy:
                     ents.append(torch.cat(out.pop(0)))
                 if value_head is not None:
                     vals.append(torch.cat(out.pop(0)))
-                if compute_top1:
-                    top1.append(torch.cat(out.pop(0)))
-        if compute_top1:
-            self._tree_top1 = rows.to_padded(top1, calls)
+                for name in head_outputs:
+                    extra[name].append(torch.cat(out.pop(0)))
+        self._tree_head_outputs = {name: rows.to_padded(kept, calls) for name, kept in extra.items()}
         logps = rows.to_padded(lps, calls)
         entropies = rows.to_padded(ents, calls) if compute_entropy else None
         values = rows.to_padded(vals, calls) if value_head is not None else None
