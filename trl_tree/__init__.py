@@ -17,7 +17,8 @@ _LAZY = {
     "tree_backward": ".engine", "tree_logprobs": ".engine", "tree_value_backward": ".engine", "tree_values": ".engine",
     "PrefixForest": ".forest",
     **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",
-                                      "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer")},
+                                      "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer",
+                                      "TreeDPOConfig", "TreeDPOTrainer")},
 }
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig, RLOOConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
 from ..options import TreeOptions
 
@@ -249,6 +249,29 @@ class TreeSFTConfig(SFTConfig, TreeArguments):
             raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; SFT's "
                              "micro-batch is its own set of trees. Use tree_shuffle='groups' to bring shared "
                              "prefixes together, and leave tree_window at 'auto'")
+        self._default_to_cpu()
+        super().__post_init__()
+
+
+@dataclass
+class TreeDPOConfig(DPOConfig, TreeArguments):
+    """``trl.DPOConfig`` plus the tree fields of :class:`TreeArguments`. A micro-batch's chosen and
+    rejected rows share their prompts in one forest whatever the order, so ``tree_shuffle`` keeps
+    TRL's order ('rows'; 'auto' is the same)."""
+
+    tree_shuffle: str = field(
+        default="rows",
+        metadata={"help": "Which pairs meet in a micro-batch: 'rows' (default; 'auto' is the same) TRL's own order."},
+    )
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        if self.tree_shuffle == "groups":
+            raise ValueError("tree_shuffle='groups' (several pairs of one prompt in a micro-batch) is not built for "
+                             "DPO yet: each pair's chosen and rejected rows already share their prompt; use 'rows'")
+        if self.tree_window == "accumulation":
+            raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; leave it at "
+                             "'auto' for DPO")
         self._default_to_cpu()
         super().__post_init__()
 

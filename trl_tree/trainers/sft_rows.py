@@ -31,6 +31,10 @@ class SFTRows:
 
     rows: PaddedRows
     mask: torch.Tensor
+    #: per kept sample: its batch row and the column of its first scored prediction in the batch's
+    #: ``(B, L - 1)`` next-token layout (TRL's fused head's), for ``to_batch``
+    batch_rows: np.ndarray | None = None
+    batch_cols: np.ndarray | None = None
 
     @property
     def empty(self) -> bool:
@@ -53,7 +57,7 @@ class SFTRows:
             spans = _segment_spans(inputs["position_ids"].detach().cpu().numpy(), name)
         else:
             raise ValueError(f"{name}: the batch has neither 'attention_mask' nor 'position_ids'")
-        sequences, score_from, masks = [], [], []
+        sequences, score_from, masks, where = [], [], [], []
         for r, start, stop in spans:
             seg_ids, seg_lab = ids[r, start:stop], lab[r, start:stop]
             scored = np.flatnonzero(seg_lab[1:] != -100) + 1  # label t is predicted from position t - 1
@@ -70,11 +74,25 @@ class SFTRows:
             sequences.append(input_ids.new_tensor(seg_ids[: last + 1]))
             score_from.append(first)
             masks.append(seg_lab[first : last + 1] != -100)
+            where.append((r, start + first - 1))  # label t is scored at column t - 1
         rows = PaddedRows.from_sequences(sequences, score_from)
         mask = np.zeros(rows.shape, dtype=np.float32)
         for i, m in enumerate(masks):
             mask[i, : m.size] = m
-        return cls(rows=rows, mask=torch.from_numpy(mask).to(input_ids.device))
+        batch_rows, batch_cols = (np.array(x, dtype=np.int64) for x in zip(*where)) if where else (None, None)
+        return cls(rows=rows, mask=torch.from_numpy(mask).to(input_ids.device), batch_rows=batch_rows,
+                   batch_cols=batch_cols)
+
+    def to_batch(self, grid: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """A ``(samples, scored)`` grid (masked: zero where stock scores nothing) in the batch's
+        ``(B, L - 1)`` next-token layout, zeros elsewhere — where TRL's fused head puts its outputs.
+        Differentiable (``index_put`` on zeros)."""
+        counts = self.rows.scored_counts
+        device = grid.device
+        rows = torch.from_numpy(np.repeat(self.batch_rows, counts)).to(device)
+        cols = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(self.batch_cols, counts)])).to(device)
+        flat = grid[self.rows.rows, self.rows.cols]
+        return flat.new_zeros(shape).index_put((rows, cols), flat)
 
 
 def _padded_spans(attention_mask: np.ndarray, name: str) -> list[tuple[int, int, int]]:

@@ -1,0 +1,133 @@
+"""TreeDPOTrainer against stock DPOTrainer: two updates (so the policy has moved from its reference
+by the second) on the same micro-batches, float64 parameters, SGD; every loss type, the options that
+change the loss, the reference kinds (a model, the PEFT base, precomputed), packed and dfs; the
+metrics TRL logs; the refusals."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+from sft_harness import assert_same_update, save_sft_checkpoint, sft_tokenizer
+from transformers import AutoModelForCausalLM
+from trl import DPOConfig, DPOTrainer
+
+from trl_tree import TreeDPOConfig, TreeDPOTrainer
+
+SYSTEM = "you are a careful assistant; answer the question about the story. "
+BASE = dict(per_device_train_batch_size=4, learning_rate=0.5, optim="sgd", max_steps=2, logging_steps=1,
+            report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
+            gradient_checkpointing=False)
+LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+          "logps/rejected", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens", "entropy")
+
+
+def pairs(n: int = 8) -> Dataset:
+    rows = [{"prompt": SYSTEM + f"story {i} " + "ab " * (i % 3) + "question?",
+             "chosen": f" yes {i} good", "rejected": f" no {i % 4} bad answer"} for i in range(n)]
+    return Dataset.from_list(rows)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_sft_checkpoint(tmp_path_factory.mktemp("dpo") / "tiny")
+
+
+def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_config=None, eval_data=None, **config):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) if reference else None
+    args = config_cls(output_dir=str(checkpoint) + "-dpo", **{**BASE, **config})
+    trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=copy.deepcopy(data or pairs()),
+                          eval_dataset=eval_data, processing_class=sft_tokenizer(), peft_config=peft_config)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return params, trainer.state.log_history
+
+
+def compare(checkpoint, tree=None, **config):
+    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, **config)
+    treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **config, **(tree or {}))
+    assert_same_update(stock, treed)
+    for step in (0, 1):
+        for key in LOGGED:
+            if key in stock_log[step]:
+                assert tree_log[step][key] == pytest.approx(stock_log[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert tree_log[0]["tree/dedup_ratio"] > 1.5  # chosen and rejected share their prompt
+    return tree_log
+
+
+#: every loss type, five to a run (``loss_type`` lists combine; a wrong term would move the sum)
+LOSS_GROUPS = {
+    "sigmoid..nca_pair": ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair"],
+    "robust..aot_unpaired": ["robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired"],
+    "apo_zero..sigmoid_norm": ["apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"],
+}
+
+
+@pytest.mark.parametrize("group", list(LOSS_GROUPS))
+def test_every_loss_type_matches_stock(checkpoint, group):
+    losses = LOSS_GROUPS[group]
+    compare(checkpoint, loss_type=losses, loss_weights=[1.0 / (k + 1) for k in range(len(losses))],
+            label_smoothing=1e-3 if "exo_pair" in losses else 0.0)
+
+
+OPTIONS = {
+    "label_smoothing": {"loss_type": ["robust"], "label_smoothing": 0.2},
+    "ld_alpha_and_use_weighting": {"ld_alpha": 0.5, "use_weighting": True},
+    "forward_kl": {"f_divergence_type": "forward_kl"},
+    "js_divergence": {"f_divergence_type": "js_divergence"},
+    "alpha_divergence": {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5},
+    "max_length": {"max_length": 100},  # some answers cut
+    "precompute_ref_log_probs": {"precompute_ref_log_probs": True},
+    "accumulation_and_checkpointing": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2,
+                                       "gradient_checkpointing": True},
+    "sync_ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_match_stock(checkpoint, option):
+    compare(checkpoint, **OPTIONS[option])
+
+
+@pytest.mark.parametrize("tree", [{"tree_mode": "dfs"}, {"tree_token_budget": 250}])
+def test_engine_backward_paths_match_stock(checkpoint, tree):
+    compare(checkpoint, tree=tree, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.3])
+
+
+def test_lora_with_the_base_as_reference_matches_stock(checkpoint):
+    from peft import LoraConfig
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, reference=False, peft_config=peft)
+    torch.manual_seed(0)
+    tree, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, reference=False, peft_config=peft)
+    assert stock and all("lora" in n for n in stock)
+    assert_same_update(stock, tree)
+    assert tree_log[1]["rewards/margins"] == pytest.approx(stock_log[1]["rewards/margins"], rel=1e-5, abs=1e-7)
+
+
+def test_evaluation_runs_through_the_tree(checkpoint):
+    config = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 4}
+    _, stock_log = run(DPOTrainer, DPOConfig, checkpoint, eval_data=pairs(4), **config)
+    _, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, eval_data=pairs(4), **config)
+    stock_eval = [e for e in stock_log if "eval_loss" in e]
+    tree_eval = [e for e in tree_log if "eval_loss" in e]
+    for a, b in zip(stock_eval, tree_eval):
+        for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/rejected"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
+REFUSED = {"activation_offloading": {"activation_offloading": True}, "tree_cuda_graphs": {"tree_cuda_graphs": True}}
+
+
+@pytest.mark.parametrize("option", list(REFUSED))
+def test_unsupported_options_are_refused(checkpoint, option):
+    with pytest.raises(ValueError, match=option):
+        run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **REFUSED[option])
+
+
+def test_groups_are_refused_in_the_config(tmp_path):
+    with pytest.raises(ValueError, match="tree_shuffle='groups'"):
+        TreeDPOConfig(output_dir=str(tmp_path), tree_shuffle="groups", report_to="none")

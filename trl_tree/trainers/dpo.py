@@ -1,0 +1,67 @@
+"""``TreeDPOTrainer``: TRL's ``DPOTrainer`` with the policy's and the reference's log-probs from a prefix tree.
+
+TRL concatenates each micro-batch's chosen and rejected rows, so every prompt runs twice through
+the policy and twice more through the reference. Here the rows are one forest (``fused_forward``:
+the tree answers TRL's fused-head calls), so a prompt runs once per model; TRL's loss code — every
+``loss_type``, ``loss_weights``, ``ld_alpha``, the f-divergences, WPO weights — and its metrics run
+unchanged on the tree's numbers.
+"""
+
+from __future__ import annotations
+
+from peft import PeftModel
+from trl import DPOTrainer
+
+from .config import TreeDPOConfig, as_tree_config
+from .fused_forward import install_tree_head
+from .tree_calls import TreeCallsMixin
+
+
+class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
+    """Drop-in for ``trl.DPOTrainer``: same constructor arguments; pass a :class:`TreeDPOConfig` (a
+    plain ``DPOConfig`` is accepted and gets the tree defaults). A separate reference model, the
+    PEFT base with adapters disabled, and ``precompute_ref_log_probs`` all run through the tree;
+    what it cannot compute exactly is refused at construction."""
+
+    _tag_names = ["trl", "dpo", "trl_tree"]
+
+    def __init__(self, model, ref_model=None, args=None, *rest, **kwargs):
+        args = as_tree_config(args, TreeDPOConfig, model, "DPO")
+        if args.tree_mode != "off" and args.activation_offloading:  # before stock's constructor acts on it
+            raise ValueError(f"{type(self).__name__}: the tree does not support activation_offloading (its hooks on "
+                             "saved tensors are not verified with the tree's backward); use tree_mode='off'")
+        super().__init__(model, ref_model, args, *rest, **kwargs)
+        self._install_tree_heads()
+        self._setup_tree()
+
+    def _install_tree_heads(self) -> None:
+        """Once: the policy's and the reference's fused heads answered by the tree (before the
+        reference log-probs are precomputed, which happens inside stock's constructor)."""
+        if getattr(self, "_tree_heads_installed", False) or self.args.tree_mode == "off":
+            return
+        self._tree_heads_installed = True
+        policy = self.accelerator.unwrap_model(self.model)
+        policy = policy.get_base_model() if isinstance(policy, PeftModel) else policy
+        outputs = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        install_tree_head(self, policy, outputs, policy=True)
+        if getattr(self, "ref_model", None) is not None:
+            install_tree_head(self, self.accelerator.unwrap_model(self.ref_model), (), policy=False)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        self._install_tree_heads()
+        return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def _check_trainer_support(self) -> None:
+        name, args = type(self).__name__, self.args
+        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+        refusals = {
+            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
+                bool(getattr(self, "aux_loss_enabled", False)),
+            "tree_cuda_graphs (DPO's metrics need the head's argmax and mean logit, which a replayed graph does "
+            "not compute)": bool(args.tree_cuda_graphs),
+            "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
+            "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
+        }
+        refused = [what for what, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"{name}: the tree does not support {refused[0]}; use tree_mode='off' for stock's path")

@@ -1,0 +1,97 @@
+"""The tree behind TRL's fused LM head: ``model(..., labels=..., fused_lm_head=True)`` answered by
+the tree engine.
+
+TRL 1.16's offline trainers (DPO; SFT too) patch the model's ``forward`` with a fused LM head
+(``trl.trainer.utils.add_fused_lm_head``) and build their losses and metrics from its per-token
+outputs: ``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``, ``log_sum_sq_probs``, each
+``(batch, length - 1)`` and zero where the label is -100. Wrapping that forward once more keeps
+the trainer's loss code exactly as it is — DPO's dozen loss types, its reference passes (a
+reference model, the PEFT base with adapters disabled, precomputed log-probs), its metrics — and
+changes only where the numbers come from: the rows of the batch become one forest (a prompt's
+chosen and rejected answers share it), scored once per unique token, scattered back into the
+layout TRL expects. Because the call still runs inside the distributed wrapper's forward, DDP's
+gradient hooks see the packed pass's backward as they see stock's.
+
+Calls the tree cannot express exactly (other inputs than ``input_ids``/``attention_mask``,
+pre-shifted labels, labels that are not the inputs' next tokens are refused by ``SFTRows``) run
+TRL's own fused forward.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+from ..forest import PrefixForest
+from .bridge import bridge
+from .sft_rows import SFTRows
+
+#: the keyword arguments a tree call reproduces; anything else runs TRL's own forward
+TREE_KWARGS = {"input_ids", "attention_mask", "use_cache", "return_dict"}
+
+
+def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[str, ...], policy: bool) -> None:
+    """Wrap ``causal_lm.forward`` (TRL's fused forward, already installed) so that fused calls run
+    through the trainer's tree. ``policy``: the trained model (its calls log the ``tree/`` metrics
+    and may carry gradients); otherwise a frozen reference."""
+    original = causal_lm.forward
+    owner = weakref.ref(trainer)
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        tree = owner()
+        plain = (fused_lm_head and not args and shift_labels is None and labels is not None
+                 and set(kwargs) <= TREE_KWARGS and kwargs.get("input_ids") is not None)
+        if tree is None or tree.args.tree_mode == "off" or not plain:
+            return original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                            num_items_in_batch=num_items_in_batch, **kwargs)
+        input_ids = kwargs["input_ids"]
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels},
+                                   type(tree).__name__)
+        if batch.empty:  # nothing labelled: TRL's forward gives the zeros, connected to the model
+            return original(fused_lm_head=True, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+        return tree_fused_outputs(tree, self, batch, input_ids.shape, labels, num_items_in_batch, head_outputs,
+                                  policy)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+
+
+def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels: torch.Tensor,
+                       num_items_in_batch, head_outputs: tuple[str, ...], policy: bool):
+    """TRL's ``FusedCausalLMOutput`` for the batch, from the tree (packed: one autograd pass; dfs or a
+    token budget: the bridge to the engine's own backward)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    rows = batch.rows
+    calls = trainer._tree_calls(rows, None)
+    forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+    differentiable = torch.is_grad_enabled() and policy
+    two_pass = differentiable and (trainer.args.tree_mode == "dfs" or len(calls) > 1)
+    call_kwargs = trainer._call_kwargs(shape[1])
+    with trainer.accelerator.autocast():
+        logps, entropies, _ = trainer._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
+                                                   None, call_kwargs, head_outputs=head_outputs)
+    extra = trainer._tree_head_outputs
+    if two_pass:
+
+        def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
+            trainer._tree_backward(model, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
+
+        logps, _, _, _ = bridge(logps, None, second_pass)
+    if policy and torch.is_grad_enabled():
+        trainer._log_forests(forests)
+    layout = (shape[0], shape[1] - 1)
+    mask = batch.mask
+
+    def place(grid: torch.Tensor) -> torch.Tensor:
+        return batch.to_batch(grid * mask.to(grid.dtype) if grid.dtype != torch.bool else grid & mask.bool(), layout)
+
+    log_probs = place(logps)
+    label_mask = labels[:, 1:] != -100
+    loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place(entropies.detach()),
+                               label_mask=label_mask, **{name: place(extra[name]) for name in head_outputs})
