@@ -1,8 +1,9 @@
 """Run under ``accelerate launch`` with 2 CPU processes (tests/test_distributed.py does).
 
-SFT (``main_sft``): stock SFTTrainer, TreeSFTTrainer packed and dfs (its engine backward averages
+SFT and DPO (``main_sft``, ``main_dpo``): stock SFTTrainer, TreeSFTTrainer packed and dfs (its engine backward averages
 the gradients by hand) and with ``tree_shuffle='groups'`` (the sampler under Accelerate's batch
-sharding), per-turn samples, gradient accumulation; each rank's final parameters are written.
+sharding), per-turn samples, gradient accumulation; stock DPOTrainer and TreeDPOTrainer packed;
+each rank's final parameters are written.
 
 Last, accumulation windows placing whole trees on ranks (``main_windows``): GRPO and PPO, packed
 and dfs, on fixed rollouts whose prompt groups straddle the two processes; the test runs the same
@@ -206,6 +207,27 @@ def main_sft(out_dir: str) -> None:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         params["tokens"] = torch.tensor(trainer._total_train_tokens)
         torch.save(params, os.path.join(out_dir, f"{run}_rank{rank}.pt"))
+    main_dpo(out_dir, checkpoint, common)
+
+
+def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
+    """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward) on two ranks."""
+    from test_dpo_trainer import pairs
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from sft_harness import sft_tokenizer
+    from trl_tree import TreeDPOConfig, TreeDPOTrainer
+
+    for run, (trainer_cls, config_cls) in {"dpo_stock": (DPOTrainer, DPOConfig),
+                                           "dpo_packed": (TreeDPOTrainer, TreeDPOConfig)}.items():
+        model, ref = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) for _ in range(2))
+        args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2})
+        trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=pairs(8),
+                              processing_class=sft_tokenizer())
+        trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
 if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)

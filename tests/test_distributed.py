@@ -48,6 +48,18 @@ def test_sft_two_processes_agree_and_the_tree_equals_stock(launched):
     assert int(runs[("groups", 0)]["tokens"]) > 0
 
 
+def test_dpo_two_processes_agree_and_the_tree_equals_stock(launched):
+    """TreeDPOTrainer under DDP (the tree inside DDP's forward): stock DPOTrainer's update on both ranks."""
+    runs = {(m, r): torch.load(launched / f"dpo_{m}_rank{r}.pt") for m in ("stock", "packed") for r in (0, 1)}
+    for mode in ("stock", "packed"):
+        for name, p in runs[(mode, 0)].items():
+            assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
+    for name, p in runs[("stock", 0)].items():
+        q = runs[("packed", 0)][name]
+        # the fused head computes in fp32 inside either way: the updates agree to ~1e-7 of their size
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), f"packed differs from stock on {name}"
+
+
 def test_two_processes_agree_and_dfs_and_graphs_equal_packed(launched):
     """Packed, dfs, packed graphs and the walk's unit graphs (CPU stand-in): ranks agree, all equal packed."""
     tmp_path = launched

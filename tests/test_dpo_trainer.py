@@ -131,3 +131,19 @@ def test_unsupported_options_are_refused(checkpoint, option):
 def test_groups_are_refused_in_the_config(tmp_path):
     with pytest.raises(ValueError, match="tree_shuffle='groups'"):
         TreeDPOConfig(output_dir=str(tmp_path), tree_shuffle="groups", report_to="none")
+
+
+@pytest.mark.slow
+def test_dpo_example_learns(monkeypatch, capsys, tmp_path):
+    """``examples/dpo_tree.py``, shortened: rewards/accuracies rise by at least 0.1 and the pairs
+    share their prompts."""
+    import re
+
+    from test_examples_learn import run_example
+
+    run_example("dpo_tree.py", ["--steps", "16"], monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    match = re.search(r"rewards/accuracies ([0-9.]+) -> ([0-9.]+) \(first -> last quarter.*T/U ([0-9.]+)", out)
+    assert match, out[-2000:]
+    first, last, ratio = map(float, match.groups())
+    assert last - first >= 0.1 and ratio > 2.0, match.group(0)

@@ -85,6 +85,26 @@ def toy_conversations(n: int = 64, questions: int = 2, seed: int = 0) -> list[di
     return out
 
 
+def toy_preferences(n: int = 128, pairs_per_prompt: int = 1, seed: int = 0) -> list[dict]:
+    """``n`` preference pairs (``{"prompt", "chosen", "rejected"}``, TRL's format): the agent's
+    system prompt and a tool's answer, then the right reply (chosen) against one with a wrong value
+    (rejected: an evasive reply or a wrong value); ``pairs_per_prompt`` pairs share each prompt
+    (several rejected answers)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < n:
+        key = AGENT_KEYS[int(torch.randint(len(AGENT_KEYS), (1,), generator=g))]
+        value = int(torch.randint(100, (1,), generator=g))
+        prompt = f"{AGENT_SYSTEM}u:what is stored under {key}?;t:{key} = {value};a:"
+        for _ in range(pairs_per_prompt):
+            wrong = (value + int(torch.randint(1, 100, (1,), generator=g))) % 100
+            bad = ["i do not know.", "the store is empty.", f"the value of {key} is unknown.",
+                   f"the value of {key} is {wrong}."]
+            out.append({"prompt": prompt, "chosen": f"the value of {key} is {value}.",
+                        "rejected": bad[int(torch.randint(len(bad), (1,), generator=g))]})
+    return out[:n]
+
+
 def build_tiny_policy(path: str | Path, hidden_size: int = 128, num_layers: int = 4, seed: int = 0,
                       chat: bool = False) -> str:
     """Save a tiny Qwen2-shaped causal LM and its tokenizer (``chat``: with :data:`CHAT_TEMPLATE`)
