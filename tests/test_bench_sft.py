@@ -28,3 +28,20 @@ def test_shapes_have_the_sharing_they_describe():
     assert all(turns.input_ids[k][: len(turns.input_ids[k - 1]) - 384] == turns.input_ids[k - 1][:-384]
                for k in range(1, 16))
     assert shapes["none"].score_from == [256] * 16
+
+
+def test_dpo_bench_modes_run_on_a_small_shape():
+    """The DPO trainer benchmark's modes on a tiny config: one loss, the pairs' prompts shared."""
+    from trl_tree.bench.dpo import flop_limit
+    from trl_tree.bench.dpo import run_mode as run_dpo
+
+    config = tiny_config("qwen2", vocab_size=64, max_position_embeddings=512)
+    rng = np.random.default_rng(0)
+    head = rng.integers(1, 64, 40).tolist()
+    rows = [{"prompt_ids": head, "chosen_ids": rng.integers(1, 64, 8).tolist(),
+             "rejected_ids": rng.integers(1, 64, 8).tolist()} for _ in range(2)]
+    results = {mode: run_dpo(mode, rows, config, steps=2) for mode in ("stock", "tree", "tree_dfs")}
+    assert max(r["loss"] for r in results.values()) - min(r["loss"] for r in results.values()) < 1e-4
+    assert results["tree"]["T_over_U"] > 2.5
+    limit, total, unique = flop_limit(rows, config)
+    assert total == 4 * 48 and unique == 40 + 4 * 8 and limit > 1.5

@@ -3,6 +3,7 @@
     python -m trl_tree.bench.trainer [--size 1.5b] [--group 16] [--prompt 2048] [--completion 512]
     python -m trl_tree.bench.trainer --algo ppo --critic separate [--workload W4] [--lora]
     python -m trl_tree.bench.trainer --algo sft [--size 1.5b] [--shapes turns_2x8,...]   (bench/sft.py)
+    python -m trl_tree.bench.trainer --algo dpo [--size 1.5b] [--shapes one_pair,...]    (bench/dpo.py)
 
 Generation is replaced by a ``rollout_func`` returning random rollouts of the given shape (a group
 per step, no sampling cost), so what is timed is TRL's training step: the policy forward, TRL's
@@ -197,10 +198,12 @@ class BenchRollouts:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if _takes_algo(argv, "sft"):  # SFT's data shapes and modes are its own (bench/sft.py)
-        from .sft import main as sft
+    for algo in ("sft", "dpo"):  # the offline trainers' data shapes and modes are their own (bench/sft.py, dpo.py)
+        if _takes_algo(argv, algo):
+            from importlib import import_module
 
-        return sft([a for i, a in enumerate(argv) if not _is_algo_arg(argv, i)])
+            rest = [a for i, a in enumerate(argv) if not _is_algo_arg(argv, i)]
+            return import_module(f".{algo}", __package__).main(rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
@@ -219,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
-    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo", "sft"),
-                        help="sft: TreeSFTTrainer on SFT data shapes (its options: --algo sft --help)")
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo", "sft", "dpo"),
+                        help="sft, dpo: the offline trainers on their data shapes (options: --algo sft --help)")
     parser.add_argument("--critic", default="separate", choices=("separate", "shared", "adapter"))
     parser.add_argument("--workload", default="group", choices=("group", "W4"),
                         help="group: --group completions of one --prompt; W4: the suite's agentic tree")

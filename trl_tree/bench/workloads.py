@@ -192,3 +192,30 @@ def sft_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
     if unknown:
         raise ValueError(f"unknown SFT shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
     return [SFTShape(name, builders[name][0], *builders[name][1]()) for name in chosen]
+
+
+# ---------------------------------------------------------------------- DPO data shapes
+def dpo_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) -> dict[str, tuple[str, list[dict]]]:
+    """Preference micro-batches as token-id rows (``prompt_ids``/``chosen_ids``/``rejected_ids``, what
+    DPOTrainer's collator takes): (a) 8 prompts of 2k tokens, one pair each, 256-token answers;
+    (b) 2 prompts of 2k tokens, 4 pairs each; (c) 8 short prompts (256) with 512-token answers."""
+    rng = np.random.default_rng(seed)
+
+    def batch(prompts: int, pairs: int, prompt: int, answer: int) -> list[dict]:
+        rows = []
+        for _ in range(prompts):
+            head = rng.integers(1, vocab, prompt).tolist()
+            rows += [{"prompt_ids": head, "chosen_ids": rng.integers(1, vocab, answer).tolist(),
+                      "rejected_ids": rng.integers(1, vocab, answer).tolist()} for _ in range(pairs)]
+        return rows
+
+    builders = {
+        "one_pair": ("8 prompts of 2048 tokens, one pair each, answers of 256", lambda: batch(8, 1, 2048, 256)),
+        "four_pairs": ("2 prompts of 2048 tokens, 4 pairs each, answers of 256", lambda: batch(2, 4, 2048, 256)),
+        "short_prompt": ("8 prompts of 256 tokens, one pair each, answers of 512", lambda: batch(8, 1, 256, 512)),
+    }
+    chosen = list(builders) if names is None else list(names)
+    unknown = set(chosen) - set(builders)
+    if unknown:
+        raise ValueError(f"unknown DPO shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    return {name: (builders[name][0], builders[name][1]()) for name in chosen}

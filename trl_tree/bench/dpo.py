@@ -1,0 +1,131 @@
+"""TreeDPOTrainer against stock DPOTrainer inside the real Trainer loop (GPU, bf16).
+
+    python -m trl_tree.bench.trainer --algo dpo [--size 1.5b] [--shapes one_pair,four_pairs,short_prompt]
+
+Each DPO shape (``workloads.dpo_shapes``) is one micro-batch of pairs, trained by stock
+``DPOTrainer`` (its padded batch of chosen and rejected rows, sdpa) and by ``TreeDPOTrainer``
+(packed, dfs): the training step without the optimizer (``Trainer.training_step``: the reference's
+forward, the policy's forward, loss and backward), CUDA-synchronised, median after the first step;
+gradient checkpointing on, SGD. The FLOP limit counts the policy's forward and backward and the
+reference's forward (``cost_model.step_flops``), stock's real tokens over the tree's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import tempfile
+
+import torch
+
+from .common import bench_tokenizer, dump, environment
+from .sft import _timed
+
+MODES = ("tree", "stock", "tree_dfs")
+
+
+def flop_limit(rows: list[dict], config) -> tuple[float, int, int]:
+    """``(limit, T, U)``: stock's FLOPs over the tree's for the policy step plus the reference forward."""
+    from ..cost_model import StepCost, step_flops
+    from ..forest import PrefixForest
+
+    seqs = [r["prompt_ids"] + r[k] for k in ("chosen_ids", "rejected_ids") for r in rows]
+    first = [len(r["prompt_ids"]) for _ in ("chosen_ids", "rejected_ids") for r in rows]
+    forest = PrefixForest.from_sequences(seqs)
+    plan = forest.scoring_plan(first)
+    lengths = [len(s) for s in seqs]
+    scored = sum(n - f for n, f in zip(lengths, first))
+    tree = StepCost(forest.num_unique_tokens, plan.num_predictions, forest.sum_visible_keys())
+    stock = StepCost(sum(lengths), scored, sum(n * (n + 1) // 2 for n in lengths))
+    # the reference's forward is a third of a step without recompute (forward only)
+    total = [step_flops(c, config, True) + step_flops(c, config, False) / 3 for c in (stock, tree)]
+    return total[0] / total[1], forest.num_tokens, forest.num_unique_tokens
+
+
+def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from ..trainers import TreeDPOConfig, TreeDPOTrainer
+
+    cuda = torch.cuda.is_available()
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model, ref = (AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                       attn_implementation="sdpa") for _ in range(2))
+    common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,
+                  use_cpu=not cuda, gradient_checkpointing=True, logging_steps=1, report_to="none",
+                  save_strategy="no", disable_tqdm=True, max_length=None, per_device_train_batch_size=len(rows))
+    # DPOTrainer tokenises its dataset: the ids as words of the bench tokenizer (one word per id)
+    data = Dataset.from_list([{key: " ".join(f"t{i}" for i in r[f"{key}_ids"]) for key in ("prompt", "chosen",
+                                                                                          "rejected")} for r in rows])
+    if mode.startswith("tree"):
+        args = TreeDPOConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed")
+        trainer = TreeDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
+                                 processing_class=bench_tokenizer(config.vocab_size))
+    else:
+        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=data,
+                             processing_class=bench_tokenizer(config.vocab_size))
+    times = _timed(trainer)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"step_ms": round(statistics.median(times[1:]) * 1e3, 1), "steps_timed": len(times) - 1,
+              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+              "loss": round(logs[-1]["loss"], 4), "margins": round(logs[-1]["rewards/margins"], 4)}
+    if mode.startswith("tree"):
+        result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
+    del trainer, model, ref
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..tiny import shaped_config
+    from .workloads import dpo_shapes
+
+    parser = argparse.ArgumentParser(prog="python -m trl_tree.bench.trainer --algo dpo",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--shapes", default=None, help="comma-separated (default: all of workloads.dpo_shapes)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the DPO trainer benchmark times a GPU")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    config = shaped_config(args.size)
+    shapes = dpo_shapes(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None)
+    results = {}
+    for name, (description, rows) in shapes.items():
+        limit, total, unique = flop_limit(rows, config)
+        row = {"description": description, "pairs": len(rows), "T": total, "U": unique,
+               "T_over_U": round(total / unique, 3), "flop_limit": round(limit, 3)}
+        for mode in args.modes.split(","):
+            try:
+                row[mode] = run_mode(mode, rows, config, args.steps)
+            except torch.OutOfMemoryError:
+                row[mode] = {"error": "out of memory"}
+                torch.cuda.empty_cache()
+            print(name, mode, row[mode], flush=True)
+        tree, stock = row.get("tree", {}).get("step_ms"), row.get("stock", {}).get("step_ms")
+        if tree and stock:
+            row["speedup"] = round(stock / tree, 3)
+            row["speedup_per_limit"] = round(stock / tree / limit, 3)
+        results[name] = row
+    print(results)
+    dump(args.out, {"environment": environment(), "workload": {
+        "model": f"Qwen2.5-{args.size}-shaped policy and reference (random init), bf16, gradient checkpointing, SGD",
+        "timed": "Trainer.training_step (reference forward, policy forward, loss, backward; no optimizer), median "
+                 "after the first step", "micro_batch": "all pairs of a shape"}, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
