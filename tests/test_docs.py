@@ -34,7 +34,7 @@ def site(tmp_path_factory):
 
 def test_site_has_every_page_and_the_api_from_the_docstrings(site):
     for page in ("index.html", "quickstart/index.html", "concepts/index.html", "trainers/index.html",
-                 "ppo/index.html", "sft/index.html", "multi_gpu/index.html", "pays/index.html", "reference/index.html",
+                 "ppo/index.html", "sft/index.html", "dpo/index.html", "multi_gpu/index.html", "pays/index.html", "reference/index.html",
                  "benchmarks/index.html", "faq/index.html", "limitations/index.html"):
         assert (site / page).is_file(), page
     reference = (site / "reference" / "index.html").read_text()
