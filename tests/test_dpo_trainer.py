@@ -128,9 +128,28 @@ def test_unsupported_options_are_refused(checkpoint, option):
         run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **REFUSED[option])
 
 
-def test_groups_are_refused_in_the_config(tmp_path):
-    with pytest.raises(ValueError, match="tree_shuffle='groups'"):
-        TreeDPOConfig(output_dir=str(tmp_path), tree_shuffle="groups", report_to="none")
+def test_groups_bring_the_pairs_of_a_prompt_together(checkpoint, caplog):
+    """``tree_shuffle='groups'``: the four pairs of each prompt meet in one micro-batch (their prompt
+    computed once), every pair once per epoch; the construction line says what it buys."""
+    import logging
+    import random
+
+    rows = [{"prompt": SYSTEM + f"story {p} " + "ab " * p + "question?", "chosen": f" yes {p}{k} good",
+             "rejected": f" no {k} bad"} for p in range(4) for k in range(4)]
+    random.Random(0).shuffle(rows)
+    data = Dataset.from_list(rows)
+    logs = {}
+    for shuffle in ("rows", "groups"):
+        with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+            _, log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, data, tree_shuffle=shuffle, max_steps=-1,
+                         num_train_epochs=1)
+        logs[shuffle] = [e for e in log if "loss" in e]
+    assert len(logs["groups"]) == len(logs["rows"]) == 4
+    ratio = {k: sum(e["tree/total_tokens"] for e in v) / sum(e["tree/unique_tokens"] for e in v)
+             for k, v in logs.items()}
+    assert ratio["groups"] > 1.3 * ratio["rows"]
+    assert sum(e["num_tokens"] for e in logs["groups"][-1:]) == sum(e["num_tokens"] for e in logs["rows"][-1:])
+    assert any("with tree_shuffle='groups'" in r.message for r in caplog.records)
 
 
 @pytest.mark.slow

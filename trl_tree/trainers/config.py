@@ -255,20 +255,20 @@ class TreeSFTConfig(SFTConfig, TreeArguments):
 
 @dataclass
 class TreeDPOConfig(DPOConfig, TreeArguments):
-    """``trl.DPOConfig`` plus the tree fields of :class:`TreeArguments`. A micro-batch's chosen and
-    rejected rows share their prompts in one forest whatever the order, so ``tree_shuffle`` keeps
-    TRL's order ('rows'; 'auto' is the same)."""
+    """``trl.DPOConfig`` plus the tree fields of :class:`TreeArguments`. A pair's chosen and rejected
+    rows share their prompt in one forest whatever the order; ``tree_shuffle='groups'`` also brings
+    the pairs of one prompt into one micro-batch."""
 
     tree_shuffle: str = field(
         default="rows",
-        metadata={"help": "Which pairs meet in a micro-batch: 'rows' (default; 'auto' is the same) TRL's own order."},
+        metadata={"help": "Which pairs meet in a micro-batch. 'rows' (default; 'auto' is the same): TRL's own order, "
+                  "the update stock's. 'groups' (opt-in: it changes which pairs share a step, and so the numbers of "
+                  "per-micro-batch terms such as 'aot''s sorting): pairs sharing prompts in one micro-batch, each "
+                  "once per epoch (the SFT trainer's sampler); the trainer logs what it buys at construction."},
     )
 
     def __post_init__(self):
         self._check_tree_fields()
-        if self.tree_shuffle == "groups":
-            raise ValueError("tree_shuffle='groups' (several pairs of one prompt in a micro-batch) is not built for "
-                             "DPO yet: each pair's chosen and rejected rows already share their prompt; use 'rows'")
         if self.tree_window == "accumulation":
             raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; leave it at "
                              "'auto' for DPO")

@@ -33,6 +33,21 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         super().__init__(model, ref_model, args, *rest, **kwargs)
         self._install_tree_heads()
         self._setup_tree()
+        if args.tree_mode != "off":
+            from .sft_sampler import announce_grouping
+
+            announce_grouping(self, pairs=True)
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.args.tree_mode == "off" or self.args.tree_shuffle != "groups":
+            return super()._get_train_sampler(train_dataset)
+        from .sft_sampler import PrefixGroupedSampler, pair_sequences
+
+        found = pair_sequences(train_dataset if train_dataset is not None else self.train_dataset)
+        if found is None:
+            raise ValueError(f"{type(self).__name__}: tree_shuffle='groups' reads the tokenised pairs (prompt_ids, "
+                             "chosen_ids, rejected_ids), which this dataset does not have")
+        return PrefixGroupedSampler.for_trainer(self, None, sequences=found[0])
 
     def _install_tree_heads(self) -> None:
         """Once: the policy's and the reference's fused heads answered by the tree (before the

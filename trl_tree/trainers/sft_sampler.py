@@ -86,12 +86,15 @@ class SampleTrie:
         keys = float(((lengths * (lengths + 1) - shared * (shared + 1)) // 2).sum())
         return total, unique, unique + attention_weight * keys
 
-    def chunk_ratio(self, chunks: list[np.ndarray]) -> float:
-        """T/U of micro-batches given as sample indices in any order."""
+    def chunk_ratio(self, chunks: list[np.ndarray], parts: list[list[np.ndarray]] | None = None) -> float:
+        """T/U of micro-batches given as sample indices in any order; ``parts[i]``: the sequences
+        sample ``i`` puts in the forest (a DPO pair: prompt + chosen and prompt + rejected), else
+        its own sequence."""
         total = unique = 0
         for chunk in chunks:
-            sub = SampleTrie([self.sequences[i] for i in chunk])
-            t, u, _ = sub.run_cost(np.arange(len(chunk))[sub.order], sub.lcp, 0.0)
+            seqs = [s for i in chunk for s in parts[i]] if parts is not None else [self.sequences[i] for i in chunk]
+            sub = SampleTrie(seqs)
+            t, u, _ = sub.run_cost(np.arange(len(seqs))[sub.order], sub.lcp, 0.0)
             total, unique = total + t, unique + u
         return total / max(unique, 1)
 
@@ -113,8 +116,10 @@ class PrefixGroupedSampler(Sampler[int]):
         self.epoch = 0
 
     @classmethod
-    def for_trainer(cls, trainer, dataset) -> PrefixGroupedSampler:
-        sequences = dataset_sequences(trainer, dataset)
+    def for_trainer(cls, trainer, dataset, sequences: list[np.ndarray] | None = None) -> PrefixGroupedSampler:
+        """The sampler of ``trainer``'s training data: ``sequences`` (one per sample) or the tokenised
+        samples of ``dataset`` (``dataset_sequences``)."""
+        sequences = dataset_sequences(trainer, dataset) if sequences is None else sequences
         args = trainer.args
         hidden = getattr(trainer.model.config.get_text_config(), "hidden_size", None) or 1024
         return cls(sequences, args.per_device_train_batch_size, trainer.accelerator.num_processes,
@@ -166,32 +171,54 @@ def dataset_sequences(trainer, dataset) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"]]
 
 
-def grouping_estimate(sequences: list[np.ndarray], batch_size: int, seed: int = 0) -> tuple[float, float]:
-    """``(T/U in a random order, T/U with the sampler)`` over micro-batches of ``batch_size``."""
+def grouping_estimate(sequences: list[np.ndarray], batch_size: int, seed: int = 0,
+                      parts: list[list[np.ndarray]] | None = None) -> tuple[float, float]:
+    """``(T/U in a random order, T/U with the sampler)`` over micro-batches of ``batch_size``
+    (``parts`` as in ``SampleTrie.chunk_ratio``)."""
     rng = np.random.default_rng(seed)
     if len(sequences) > ESTIMATE_SAMPLES:  # the same density of neighbours: a random subset, as many batches
         keep = np.sort(rng.choice(len(sequences), ESTIMATE_SAMPLES, replace=False))
         sequences = [sequences[i] for i in keep]
+        parts = [parts[i] for i in keep] if parts is not None else None
     sampler = PrefixGroupedSampler(sequences, batch_size, seed=seed)
     order = rng.permutation(len(sequences))
     random_chunks = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
     _, grouped = sampler.micro_batches(0)
-    return sampler.trie.chunk_ratio(random_chunks), sampler.trie.chunk_ratio(grouped)
+    return sampler.trie.chunk_ratio(random_chunks, parts), sampler.trie.chunk_ratio(grouped, parts)
 
 
-def announce_grouping(trainer) -> None:
+def pair_sequences(dataset) -> tuple[list[np.ndarray], list[list[np.ndarray]]] | None:
+    """A prepared DPO dataset's pairs: each one's prompt + chosen (what the sampler orders by) and
+    its two rows (what the forest holds); None without the tokenised columns."""
+    columns = getattr(dataset, "column_names", None) or []
+    if not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(columns):
+        return None
+    prompts, chosen, rejected = dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"]
+    rows = [[np.asarray(p + c, dtype=np.int64), np.asarray(p + r, dtype=np.int64)]
+            for p, c, r in zip(prompts, chosen, rejected)]
+    return [r[0] for r in rows], rows
+
+
+def announce_grouping(trainer, pairs: bool = False) -> None:
     """One line at construction: T/U in TRL's order and with ``tree_shuffle='groups'``, or that the
-    samples share nothing (the tree then gives nothing, and its calls run as stock's padded batch)."""
+    samples share nothing (the tree then gives nothing, and its calls run as stock's padded batch).
+    ``pairs``: the dataset is DPO's (each sample two rows sharing its prompt)."""
     args, dataset = trainer.args, trainer.train_dataset
-    if not trainer.accelerator.is_main_process:
+    if not trainer.accelerator.is_main_process or dataset is None:
         return
-    if dataset is None or not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names \
-            or args.packing:
-        return
-    sequences = [np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"]]
+    parts = None
+    if pairs:
+        found = pair_sequences(dataset)
+        if found is None:
+            return
+        sequences, parts = found
+    else:
+        if not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names or args.packing:
+            return
+        sequences = [np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"]]
     if len(sequences) < 2:
         return
-    stock, grouped = grouping_estimate(sequences, args.per_device_train_batch_size, args.seed)
+    stock, grouped = grouping_estimate(sequences, args.per_device_train_batch_size, args.seed, parts)
     name = type(trainer).__name__
     if grouped < 1.05:
         logger.warning("%s: the samples share almost no prefixes (T/U %.2f even with tree_shuffle='groups'): the tree "
