@@ -248,3 +248,60 @@ def dump(path: str | None, payload: dict) -> None:
         with open(path, "w") as f:
             f.write(text + "\n")
     print(text)
+
+
+def _timed_steps(trainer) -> list[float]:
+    """Wrap ``trainer.training_step`` with (CUDA-synchronised) wall-clock timing; the list fills as it trains."""
+    import time
+
+    times: list[float] = []
+    step = trainer.training_step
+    cuda = torch.cuda.is_available()
+
+    def timed(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        return out
+
+    trainer.training_step = timed
+    return times
+
+
+def train_and_time(trainer) -> tuple[dict, list[dict]]:
+    """Train ``trainer`` (an offline trainer's bench run) timing each ``training_step`` — the step
+    without the optimizer; ``({step_ms, steps_timed, peak_gib, loss[, T_over_U]}, logged steps)``,
+    the median over the steps after the first."""
+    import statistics
+
+    times = _timed_steps(trainer)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"step_ms": round(statistics.median(times[1:]) * 1e3, 1), "steps_timed": len(times) - 1,
+              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+              "loss": round(logs[-1]["loss"], 4)}
+    if "tree/dedup_ratio" in logs[-1]:
+        result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
+    return result, logs
+
+
+def offline_bench_parser(algo: str, modes: tuple[str, ...], doc: str, modes_help: str = ""):
+    """The command line of ``bench.trainer --algo sft|dpo``: size, shapes, modes, steps, output."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m trl_tree.bench.trainer --algo {algo}",
+                                     description=doc.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--shapes", default=None, help=f"comma-separated (default: all of workloads.{algo}_shapes)")
+    parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated, of {modes}{modes_help}")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    return parser
+

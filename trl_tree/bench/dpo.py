@@ -12,16 +12,13 @@ reference's forward (``cost_model.step_flops``), stock's real tokens over the tr
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import statistics
 import tempfile
 
 import torch
 
-from .common import bench_tokenizer, dump, environment
-from .sft import _timed
+from .common import bench_tokenizer, dump, environment, offline_bench_parser, train_and_time
 
 MODES = ("tree", "stock", "tree_dfs")
 
@@ -69,16 +66,8 @@ def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
     else:
         trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=data,
                              processing_class=bench_tokenizer(config.vocab_size))
-    times = _timed(trainer)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = {"step_ms": round(statistics.median(times[1:]) * 1e3, 1), "steps_timed": len(times) - 1,
-              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-              "loss": round(logs[-1]["loss"], 4), "margins": round(logs[-1]["rewards/margins"], 4)}
-    if mode.startswith("tree"):
-        result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
+    result, logs = train_and_time(trainer)
+    result["margins"] = round(logs[-1]["rewards/margins"], 4)
     del trainer, model, ref
     if cuda:
         torch.cuda.empty_cache()
@@ -89,13 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..tiny import shaped_config
     from .workloads import dpo_shapes
 
-    parser = argparse.ArgumentParser(prog="python -m trl_tree.bench.trainer --algo dpo",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
-    parser.add_argument("--shapes", default=None, help="comma-separated (default: all of workloads.dpo_shapes)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=None)
+    parser = offline_bench_parser("dpo", MODES, __doc__)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the DPO trainer benchmark times a GPU")

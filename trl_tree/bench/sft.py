@@ -18,16 +18,13 @@ tokens (packing's, with no padding) over the tree's.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 
-from .common import bench_tokenizer, dump, environment
+from .common import bench_tokenizer, dump, environment, offline_bench_parser, train_and_time
 
 #: in this order: the tree first, so its step is timed before stock's large padded batches have
 #: grown the caching allocator (measured once: one shape's tree step 1.5x slower when run after them)
@@ -41,27 +38,6 @@ def _attention_for_packing() -> str:
     except Exception:
         return "sdpa"
     return "flash_attention_4"
-
-
-def _timed(trainer) -> list[float]:
-    """Wrap ``trainer.training_step`` with CUDA-synchronised wall-clock timing; the list fills as it trains."""
-    times: list[float] = []
-    step = trainer.training_step
-
-    cuda = torch.cuda.is_available()
-
-    def timed(*args, **kwargs):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = step(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        return out
-
-    trainer.training_step = timed
-    return times
 
 
 def run_mode(mode: str, shape, config, steps: int) -> dict:
@@ -100,16 +76,9 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     else:
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data,
                              processing_class=bench_tokenizer(config.vocab_size))
-    times = _timed(trainer)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = {"step_ms": round(statistics.median(times[1:]) * 1e3, 1), "steps_timed": len(times) - 1,
-              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None, "attention": attention,
-              "loss": round(logs[-1]["loss"], 4)}
+    result, logs = train_and_time(trainer)
+    result["attention"] = attention
     if mode.startswith("tree"):
-        result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
         result["padded_calls"] = logs[-1]["tree/padded_calls"]
     if packed:
         result["rows"] = len(trainer.train_dataset)
@@ -124,14 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..tiny import shaped_config
     from .workloads import sft_shapes
 
-    parser = argparse.ArgumentParser(prog="python -m trl_tree.bench.trainer --algo sft",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
-    parser.add_argument("--shapes", default=None, help="comma-separated (default: all of workloads.sft_shapes)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, of {MODES}; tree@BACKEND sets tree_attn_backend")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=None)
+    parser = offline_bench_parser("sft", MODES, __doc__, "; tree@BACKEND sets tree_attn_backend")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the SFT trainer benchmark times a GPU")
