@@ -59,7 +59,7 @@ def compare(checkpoint, tree=None, **config):
 #: every loss type, five to a run (``loss_type`` lists combine; a wrong term would move the sum)
 LOSS_GROUPS = {
     "sigmoid..nca_pair": ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair"],
-    "robust..aot_unpaired": ["robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired"],
+    "robust..aot_unpaired": ["robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired"],  # label smoothing 0.2
     "apo_zero..sigmoid_norm": ["apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"],
 }
 
@@ -68,17 +68,15 @@ LOSS_GROUPS = {
 def test_every_loss_type_matches_stock(checkpoint, group):
     losses = LOSS_GROUPS[group]
     compare(checkpoint, loss_type=losses, loss_weights=[1.0 / (k + 1) for k in range(len(losses))],
-            label_smoothing=1e-3 if "exo_pair" in losses else 0.0)
+            label_smoothing=1e-3 if "exo_pair" in losses else 0.2 if "robust" in losses else 0.0)
 
 
 OPTIONS = {
-    "label_smoothing": {"loss_type": ["robust"], "label_smoothing": 0.2},
     "ld_alpha_and_use_weighting": {"ld_alpha": 0.5, "use_weighting": True},
     "forward_kl": {"f_divergence_type": "forward_kl"},
     "js_divergence": {"f_divergence_type": "js_divergence"},
     "alpha_divergence": {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5},
-    "max_length": {"max_length": 100},  # some answers cut
-    "precompute_ref_log_probs": {"precompute_ref_log_probs": True},
+    "max_length_precomputed_reference": {"max_length": 100, "precompute_ref_log_probs": True},  # answers cut
     "accumulation_and_checkpointing": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2,
                                        "gradient_checkpointing": True},
     "sync_ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},

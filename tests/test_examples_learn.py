@@ -16,7 +16,7 @@ SHORT = ["--story-length", "64"]
 CASES = [
     ("grpo_tree.py", ["--steps", "6", *SHORT]),
     ("grpo_tree_lora.py", ["--steps", "6", *SHORT]),
-    ("agentic_tools_tree.py", ["--steps", "8", "--num-generations", "4"]),
+    ("agentic_tools_tree.py", ["--steps", "6", "--num-generations", "4"]),
 ]
 
 

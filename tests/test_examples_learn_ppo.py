@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from test_examples_learn import SHORT, rise, run_example
 
+#: the separate critic's run is the demo's (``test_examples_learn.test_demo_ppo_learns``, the same
+#: trainer and critic): not run twice
 CASES = [
-    ("ppo_tree.py", ["--steps", "8", *SHORT]),
     ("ppo_tree.py", ["--steps", "10", "--critic", "shared", *SHORT]),
     ("ppo_tree_lora.py", ["--steps", "8", *SHORT]),
 ]

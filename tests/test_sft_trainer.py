@@ -39,10 +39,9 @@ CASES = {
     "prompt_completion_full_loss": ("prompt_completion", {"completion_only_loss": False}),
     "messages_assistant_only": ("messages", {"assistant_only_loss": True}),
     "turns_with_tools": ("tools", {}),
-    "dft": ("turns", {"loss_type": "dft"}),
     "max_length": ("turns", {"max_length": 150}),  # some completions cut, some samples dropped
     "grad_accumulation": ("turns", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 3}),
-    "gradient_checkpointing": ("turns", {"gradient_checkpointing": True}),
+    "dft_with_checkpointing": ("turns", {"loss_type": "dft", "gradient_checkpointing": True}),
     "padding_free": ("turns", {"padding_free": True, "max_length": None}),
     "packing_bfd": ("turns", {"packing": True, "max_length": 128, "per_device_train_batch_size": 2}),
     "packing_wrapped": ("text", {"packing": True, "packing_strategy": "wrapped", "max_length": 64,
@@ -57,8 +56,7 @@ def test_one_update_matches_stock(checkpoint, case):
     assert log[0]["tree/dedup_ratio"] >= 1.0
 
 
-@pytest.mark.parametrize("tree", [{"tree_mode": "dfs"}, {"tree_token_budget": 250},
-                                  {"tree_mode": "dfs", "tree_chunk_size": 7}])
+@pytest.mark.parametrize("tree", [{"tree_token_budget": 250}, {"tree_mode": "dfs", "tree_chunk_size": 7}])
 def test_engine_backward_paths_match_stock(checkpoint, tree):
     """The two-pass paths (the engine's own backward through the bridge)."""
     log = _compare(checkpoint, dataset("turns"), tree_only=tree, gradient_accumulation_steps=2)
@@ -139,9 +137,6 @@ def test_compute_loss_func_and_moe_aux_loss_are_refused(checkpoint, tmp_path):
                        args=TreeSFTConfig(output_dir=str(tmp_path), report_to="none", router_aux_loss_coef=0.01),
                        train_dataset=dataset("turns"), processing_class=sft_tokenizer())
 
-
-def test_tree_mode_off_is_stock(checkpoint):
-    _compare(checkpoint, dataset("turns"), tree_only={"tree_mode": "off"})
 
 
 def test_construction_says_what_grouping_buys(checkpoint, caplog):
