@@ -166,3 +166,18 @@ def test_malformed_conversations_get_stocks_error(checkpoint):
             run(trainer_cls, config_cls, checkpoint, bad)
         errors.append((type(err.value), str(err.value)))
     assert errors[0] == errors[1]
+
+
+def test_padded_calls_follow_the_engine(checkpoint, monkeypatch):
+    """``tree/padded_calls`` counts the calls the engine ran as stock's padded batch: samples that
+    share nothing do, unless the layout switch turns the padded path off."""
+    from datasets import Dataset
+
+    from trl_tree.layout import LAYOUT
+
+    distinct = Dataset.from_list([{"text": c * 30} for c in "abcd"])
+    _, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, distinct)
+    assert log[0]["tree/padded_calls"] == 1
+    monkeypatch.setattr(LAYOUT, "dense_unshared_batches", False)
+    _, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, distinct)
+    assert log[0]["tree/padded_calls"] == 0

@@ -148,10 +148,16 @@ class PaddedBatch:
     rows: np.ndarray | None
 
 
-def runs_as_padded_batch(parts: ModelParts, forest: PrefixForest) -> bool:
+def takes_padded_path(forest: PrefixForest, router: bool = False) -> bool:
     """Whether a packed call of ``forest`` takes the padded path: the cost model's rule
-    (``cost_model.runs_padded``; a MoE router's loss keeps calls packed) under the layout switch."""
-    return LAYOUT.dense_unshared_batches and runs_padded(forest, router=parts.router is not None)
+    (``cost_model.runs_padded``; a MoE router's loss keeps calls packed) under the layout switch
+    (``LAYOUT.dense_unshared_batches``) — what the engine does and what the trainers log."""
+    return LAYOUT.dense_unshared_batches and runs_padded(forest, router=router)
+
+
+def runs_as_padded_batch(parts: ModelParts, forest: PrefixForest) -> bool:
+    """:func:`takes_padded_path` for a call of the model behind ``parts``."""
+    return takes_padded_path(forest, router=parts.router is not None)
 
 
 def padded_batch(parts: ModelParts, forest: PrefixForest) -> PaddedBatch | None:

@@ -19,11 +19,11 @@ import torch
 
 from ..attention.support import attention_refusal
 from ..compile import compile_layers
-from ..cost_model import runs_padded
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
 from ..fsdp import gathered, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
+from ..packed import takes_padded_path
 from .grad_sync import average_gradients
 from .grouping import group_cost, split_into_calls
 from .rows import PaddedRows
@@ -290,10 +290,11 @@ class TreeCallsMixin:
 
     def _log_forests(self, forests: list[PrefixForest], router: bool = False) -> None:
         """The step's sharing (``tree/dedup_ratio`` = T/U), its calls, and how many of them ran as
-        stock's padded batch (``tree/padded_calls``: the cost model's no-sharing rule, packed mode;
-        ``router``: the calls collected an MoE load-balancing loss, which keeps them packed)."""
+        stock's padded batch (``tree/padded_calls``: the cost model's no-sharing rule under the layout
+        switch, packed mode — ``packed.takes_padded_path``, as the engine decides; ``router``: the calls
+        collected an MoE load-balancing loss, which keeps them packed)."""
         mode = "train" if self.model.training else "eval"
-        padded = sum(runs_padded(f, router) for f in forests) if self.args.tree_mode == "packed" else 0
+        padded = sum(takes_padded_path(f, router) for f in forests) if self.args.tree_mode == "packed" else 0
         self._metrics[mode]["tree/padded_calls"].append(float(padded))
         total = sum(f.num_tokens for f in forests)
         unique = sum(f.num_unique_tokens for f in forests)
