@@ -7,5 +7,5 @@ from .ppo import TreePPOTrainer
 from .rloo import TreeRLOOTrainer
 from .sft import TreeSFTTrainer
 
-__all__ = ["TreeArguments", "TreeDPOConfig", "TreeDPOTrainer", "TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer", "TreeRLOOConfig",
-           "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer"]
+__all__ = ["TreeArguments", "TreeDPOConfig", "TreeDPOTrainer", "TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig",
+           "TreePPOTrainer", "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer"]

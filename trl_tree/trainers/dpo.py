@@ -27,9 +27,9 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
 
     def __init__(self, model, ref_model=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeDPOConfig, model, "DPO")
-        if args.tree_mode != "off" and args.activation_offloading:  # before stock's constructor acts on it
-            raise ValueError(f"{type(self).__name__}: the tree does not support activation_offloading (its hooks on "
-                             "saved tensors are not verified with the tree's backward); use tree_mode='off'")
+        if args.tree_mode != "off":  # before stock's constructor, which acts on it
+            self._refuse({"activation_offloading (its hooks on saved tensors are not verified with the tree's "
+                          "backward)": bool(args.activation_offloading)})
         super().__init__(model, ref_model, args, *rest, **kwargs)
         self._install_tree_heads()
         self._setup_tree()
@@ -67,7 +67,7 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _check_trainer_support(self) -> None:
-        name, args = type(self).__name__, self.args
+        args = self.args
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         refusals = {
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
@@ -77,6 +77,4 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
             "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
             "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
         }
-        refused = [what for what, on in refusals.items() if on]
-        if refused:
-            raise ValueError(f"{name}: the tree does not support {refused[0]}; use tree_mode='off' for stock's path")
+        self._refuse(refusals)

@@ -24,8 +24,6 @@ import weakref
 
 import torch
 
-from ..forest import PrefixForest
-from .bridge import bridge
 from .sft_rows import SFTRows
 
 #: the keyword arguments a tree call reproduces; anything else runs TRL's own forward
@@ -66,22 +64,9 @@ def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels
     token budget: the bridge to the engine's own backward)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    rows = batch.rows
-    calls = trainer._tree_calls(rows, None)
-    forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
     differentiable = torch.is_grad_enabled() and policy
-    two_pass = differentiable and (trainer.args.tree_mode == "dfs" or len(calls) > 1)
-    call_kwargs = trainer._call_kwargs(shape[1])
-    with trainer.accelerator.autocast():
-        logps, entropies, _ = trainer._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
-                                                   None, call_kwargs, head_outputs=head_outputs)
-    extra = trainer._tree_head_outputs
-    if two_pass:
-
-        def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
-            trainer._tree_backward(model, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
-
-        logps, _, _, _ = bridge(logps, None, second_pass)
+    logps, entropies, extra, forests = trainer._offline_scores(model, batch.rows, shape[1], differentiable,
+                                                               head_outputs)
     if policy and torch.is_grad_enabled():
         trainer._log_forests(forests)
     layout = (shape[0], shape[1] - 1)
@@ -93,5 +78,5 @@ def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels
     log_probs = place(logps)
     label_mask = labels[:, 1:] != -100
     loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place(entropies.detach()),
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place(entropies),
                                label_mask=label_mask, **{name: place(extra[name]) for name in head_outputs})

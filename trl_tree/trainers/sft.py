@@ -14,9 +14,7 @@ import logging
 import torch
 from trl import SFTTrainer
 
-from ..forest import PrefixForest
 from ..fsdp import reduce_gradients
-from .bridge import bridge
 from .config import TreeSFTConfig, as_tree_config
 from .sft_rows import SFTRows
 from .tree_calls import TreeCallsMixin
@@ -62,12 +60,6 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
             and getattr(args, "train_sampling_strategy", None) == "group_by_length",
         }
 
-    def _refuse(self, refusals: dict[str, bool]) -> None:
-        refused = [what for what, on in refusals.items() if on]
-        if refused:
-            raise ValueError(f"{type(self).__name__}: the tree does not support {refused[0]}; use tree_mode='off' "
-                             "for stock's path")
-
     def _check_trainer_support(self) -> None:
         refusals = {
             "a vision dataset": getattr(self, "_is_vision_dataset", False),
@@ -104,30 +96,15 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
         return loss
 
     def _tree_scores(self, model, rows, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logps, entropies, is_top1)`` of the labelled samples on their ``(samples, scored)`` grid;
-        ``logps`` carries the gradient: one autograd graph (packed, one call) or the bridge to the
-        engine's own backward (dfs, or a micro-batch cut by ``tree_token_budget``)."""
-        calls = self._tree_calls(rows, None)
-        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
-        differentiable = torch.is_grad_enabled()
-        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        """``(logps, entropies, is_top1)`` of the labelled samples on their ``(samples, scored)`` grid
+        (``_offline_scores``; ``logps`` carries the gradient)."""
         # the widest position stock's forward shows a length-dependent RoPE
         positions = inputs.get("position_ids")
         width = int(positions.max()) + 1 if positions is not None else inputs["input_ids"].shape[1]
-        call_kwargs = self._call_kwargs(max(width, max(len(s) for s in rows.sequences)))
-        with self.accelerator.autocast():
-            logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
-                                                    None, call_kwargs, head_outputs=("is_top1",))
-        top1 = self._tree_head_outputs["is_top1"]
-        if two_pass:
-            target = self.accelerator.unwrap_model(model)
-
-            def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
-                self._tree_backward(target, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
-
-            logps, _, _, _ = bridge(logps, None, second_pass)
+        logps, entropies, extra, forests = self._offline_scores(
+            model, rows, max(width, max(len(s) for s in rows.sequences)), torch.is_grad_enabled(), ("is_top1",))
         self._log_forests(forests)
-        return logps, entropies.detach(), top1
+        return logps, entropies, extra["is_top1"]
 
     def _log_sft_metrics(self, mode: str, inputs: dict, mask: torch.Tensor, entropies: torch.Tensor,
                          top1: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from ..forest import PrefixForest
 from ..fsdp import gathered, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from ..packed import takes_padded_path
+from .bridge import bridge
 from .grad_sync import average_gradients
 from .grouping import group_cost, split_into_calls
 from .rows import PaddedRows
@@ -93,6 +94,13 @@ class TreeCallsMixin:
 
     def _check_trainer_support(self) -> None:
         """What a kind of trainer refuses besides (its batch layouts, its settings); nothing here."""
+
+    def _refuse(self, refusals: dict[str, bool]) -> None:
+        """Raise for the first setting of ``refusals`` (``{what, with the reason: is it set}``) that is on."""
+        refused = [what for what, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"{type(self).__name__}: the tree does not support {refused[0]}; use tree_mode='off' "
+                             "for stock's path")
 
     def _sharded(self) -> bool:
         """FSDP or DeepSpeed: they own the gradients' reduction, which the engine's own backward
@@ -236,6 +244,29 @@ class TreeCallsMixin:
         entropies = rows.to_padded(ents, calls) if compute_entropy else None
         values = rows.to_padded(vals, calls) if value_head is not None else None
         return logps, entropies, values
+
+    def _offline_scores(self, model, rows: PaddedRows, rope_length: int, differentiable: bool,
+                        head_outputs: tuple[str, ...] = ()):
+        """An offline trainer's micro-batch (SFT's samples, DPO's pairs) through the tree:
+        ``(logps, entropies, head outputs, forests)`` on the rows' grid. ``logps`` carries the
+        gradient where ``differentiable``: one autograd graph (packed, one call) or the bridge to the
+        engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``)."""
+        calls = self._tree_calls(rows, None)
+        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        call_kwargs = self._call_kwargs(rope_length)
+        with self.accelerator.autocast():
+            logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
+                                                    None, call_kwargs, head_outputs=head_outputs)
+        extra = self._tree_head_outputs
+        if two_pass:
+            target = self.accelerator.unwrap_model(model)
+
+            def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
+                self._tree_backward(target, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
+
+            logps, _, _, _ = bridge(logps, None, second_pass)
+        return logps, entropies.detach(), extra, forests
 
     def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
                        grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
