@@ -245,6 +245,10 @@ class TreeSFTConfig(SFTConfig, TreeArguments):
         self._check_tree_fields()
         if self.tree_shuffle not in SFT_SHUFFLES:
             raise ValueError(f"tree_shuffle must be one of {SFT_SHUFFLES} for SFT, got {self.tree_shuffle!r}")
+        if self.tree_shuffle == "groups" and self.packing:
+            raise ValueError("tree_shuffle='groups' chooses which samples meet, but packing=True fixed the rows before "
+                             "any sampler runs; use packing=False (the tree removes the padding's cost where samples "
+                             "share prefixes) or tree_shuffle='rows'")
         if self.tree_window == "accumulation":
             raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; SFT's "
                              "micro-batch is its own set of trees. Use tree_shuffle='groups' to bring shared "

@@ -158,11 +158,7 @@ class PrefixGroupedSampler(Sampler[int]):
 
 def dataset_sequences(trainer, dataset) -> list[np.ndarray]:
     """The tokenised samples of a prepared SFT dataset (its ``input_ids`` column)."""
-    name = type(trainer).__name__
-    if trainer.args.packing:
-        raise ValueError(f"{name}: tree_shuffle='groups' chooses which samples meet, but packing=True fixed the rows "
-                         "before any sampler runs; use packing=False (the tree removes the padding's cost where "
-                         "samples share prefixes) or tree_shuffle='rows'")
+    name = type(trainer).__name__  # (packing with groups is refused by TreeSFTConfig)
     columns = getattr(dataset, "column_names", None) or []
     if "input_ids" not in columns:
         raise ValueError(f"{name}: tree_shuffle='groups' reads the tokenised samples (an 'input_ids' column), which "
