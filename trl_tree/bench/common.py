@@ -76,14 +76,17 @@ KERNELS = ("hf", "liger", "compiled")
 
 
 def bench_tokenizer(vocab_size: int):
-    """A word-level tokenizer with one entry per model token id, so TRL can decode any rollout."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level tokenizer with one entry per model token id, so TRL can decode any rollout and
+    tokenise text of ``t<id>`` words back to the same ids. Its special tokens match whole words only:
+    matched inside words, ``t1`` (EOS) would cut ``t17`` into ``t1`` and an unknown ``7``."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=AddedToken("t0", single_word=True, special=True),
+                                   eos_token=AddedToken("t1", single_word=True, special=True))
 
 
 def add_kernels_arg(parser) -> None:

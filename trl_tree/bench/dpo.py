@@ -56,8 +56,9 @@ def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,
                   use_cpu=not cuda, gradient_checkpointing=True, logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, max_length=None, per_device_train_batch_size=len(rows))
-    # DPOTrainer tokenises its dataset: the ids as words of the bench tokenizer (one word per id)
-    data = Dataset.from_list([{key: " ".join(f"t{i}" for i in r[f"{key}_ids"]) for key in ("prompt", "chosen",
+    # DPOTrainer tokenises its dataset: the ids as words of the bench tokenizer (one word per id), each
+    # text ending in a space (TRL joins prompt and answer, and answer and EOS, without one)
+    data = Dataset.from_list([{key: "".join(f"t{i} " for i in r[f"{key}_ids"]) for key in ("prompt", "chosen",
                                                                                           "rejected")} for r in rows])
     if mode.startswith("tree"):
         args = TreeDPOConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed")
@@ -66,12 +67,22 @@ def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
     else:
         trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=data,
                              processing_class=bench_tokenizer(config.vocab_size))
+    _check_tokenised(trainer.train_dataset, rows, trainer.processing_class.eos_token_id)
     result, logs = train_and_time(trainer)
     result["margins"] = round(logs[-1]["rewards/margins"], 4)
     del trainer, model, ref
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def _check_tokenised(dataset, rows: list[dict], eos: int) -> None:
+    """The pairs DPOTrainer tokenised are the shape's (answers ending in EOS): what is timed is what
+    the table describes."""
+    for got, want in zip(dataset, rows):
+        if (got["prompt_ids"] != want["prompt_ids"] or got["chosen_ids"] != want["chosen_ids"] + [eos]
+                or got["rejected_ids"] != want["rejected_ids"] + [eos]):
+            raise RuntimeError("DPOTrainer tokenised the bench's pairs into other ids than the shape's")
 
 
 def main(argv: list[str] | None = None) -> int:
