@@ -41,7 +41,8 @@ def test_dpo_bench_modes_run_on_a_small_shape():
     rows = [{"prompt_ids": head, "chosen_ids": rng.integers(1, 64, 8).tolist(),
              "rejected_ids": rng.integers(1, 64, 8).tolist()} for _ in range(2)]
     results = {mode: run_dpo(mode, rows, config, steps=2) for mode in ("stock", "tree", "tree_dfs")}
-    assert max(r["loss"] for r in results.values()) - min(r["loss"] for r in results.values()) < 1e-4
+    # bf16 weights (the bench's dtype): stock's padded rows and the tree round differently
+    assert max(r["loss"] for r in results.values()) - min(r["loss"] for r in results.values()) < 2e-3
     assert results["tree"]["T_over_U"] > 2.5
     limit, total, unique = flop_limit(rows, config)
     assert total == 4 * 48 and unique == 40 + 4 * 8 and limit > 1.5
