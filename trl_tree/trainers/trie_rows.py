@@ -1,0 +1,100 @@
+"""TRL's async GRPO packed row read back as sequences, so the tree engine can answer its loss.
+
+TRL 1.16's async GRPO (``trl.experimental.async_grpo``) packs each rank's samples into a trie row
+(``packing.TreeRow.pack``): the unique tokens in depth-first pre-order, each segment's root path in
+``tree_kv_index`` (bounds ``tree_cu_seqlens_k``), the segments' own rows (``tree_cu_seqlens_q``),
+and per packed position the next token it is trained to predict (``shift_labels``, -100 where
+none). Its loss reads the fused head's ``log_probs`` and ``entropy`` at those positions.
+
+The engine takes sequences. Every root-to-leaf path of the row is one (a sample ends on a leaf:
+the trie keys a sample's last token on ``None``, which nothing extends; equal samples share their
+leaf). A labelled position is scored on one leaf below it — every sample through a node agrees on
+the next token, since the trie keys a node on its token and the next — so each labelled position is
+one term here, as it is one row of stock's head; stock's loss then gathers it once per sample that
+shares it (``token_index``), unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TrieRow:
+    """One rank's packed row as sequences: ``sequences[l]`` is leaf ``l``'s root path; labelled
+    packed position ``labelled[i]`` is scored on leaf ``leaf[i]`` at prediction index ``depth[i]``
+    (``log p(sequences[l][depth + 1] | sequences[l][: depth + 1])``)."""
+
+    sequences: list[list[int]]
+    labelled: np.ndarray
+    leaf: np.ndarray
+    depth: np.ndarray
+    num_positions: int
+
+    @classmethod
+    def from_packed(cls, input_ids, position_ids, shift_labels, kv_index, cu_seqlens_q, cu_seqlens_k,
+                    who: str = "the tree") -> "TrieRow":
+        """From one rank's unpadded row (1-D tensors or arrays as ``TreeRow.pack`` returns them).
+        Refuses a row whose labels are not the next token of their leaf (a layout this reading does
+        not describe), with the position: never a wrong number."""
+        ids, pos, labels, kv, cu_q, cu_k = (np.asarray(_host(x), dtype=np.int64) for x in
+                                            (input_ids, position_ids, shift_labels, kv_index, cu_seqlens_q,
+                                             cu_seqlens_k))
+        n = ids.shape[0]
+        seg_len, path_len = np.diff(cu_q), np.diff(cu_k)
+        if cu_q[-1] != n or (path_len < seg_len).any() or kv.shape[0] != cu_k[-1]:
+            raise ValueError(f"{who}: the packed row's segments do not cover its {n} tokens")
+        segment_of = np.repeat(np.arange(seg_len.shape[0]), seg_len)
+        child = path_len > seg_len  # its path enters it from a parent segment's last row
+        parent_last = kv[cu_k[1:][child] - seg_len[child] - 1]
+        inner = np.zeros(seg_len.shape[0], dtype=bool)
+        inner[segment_of[parent_last]] = True
+        leaves = np.flatnonzero(~inner)
+        paths = [kv[cu_k[s] : cu_k[s + 1]] for s in leaves]
+        for path in paths:
+            if not np.array_equal(pos[path], np.arange(path.shape[0])):
+                raise ValueError(f"{who}: a packed root path does not run through depths 0, 1, 2, ...")
+        owner = np.repeat(np.arange(len(paths)), [p.shape[0] for p in paths])
+        flat = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
+        rows, first = np.unique(flat, return_index=True)  # each position's first leaf below it
+        leaf_of = np.full(n, -1, dtype=np.int64)
+        leaf_of[rows] = owner[first]
+        labelled = np.flatnonzero(labels != -100)
+        leaf, depth = leaf_of[labelled], pos[labelled]
+        sequences = [ids[p].tolist() for p in paths]
+        for p, l, d in zip(labelled.tolist(), leaf.tolist(), depth.tolist()):
+            if l < 0 or d + 1 >= len(sequences[l]) or sequences[l][d + 1] != int(labels[p]):
+                raise ValueError(f"{who}: packed position {p} is trained to predict token {int(labels[p])}, which "
+                                 "is not the next token of its path")
+        return cls(sequences, labelled, leaf, depth, n)
+
+    def padded_batch(self, pad_token_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The leaves as a right-padded batch with labels only where a packed position is scored
+        (``labels[l, d + 1]``): what ``SFTRows.from_batch`` and TRL's fused head take."""
+        width = max(len(s) for s in self.sequences)
+        input_ids = torch.full((len(self.sequences), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, seq in enumerate(self.sequences):
+            input_ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+        labels = torch.full_like(input_ids, -100)
+        leaf, depth = torch.from_numpy(self.leaf), torch.from_numpy(self.depth)
+        labels[leaf, depth + 1] = input_ids[leaf, depth + 1]
+        return {name: t.to(device) for name, t in
+                (("input_ids", input_ids), ("attention_mask", mask), ("labels", labels))}
+
+    def to_packed(self, grid: torch.Tensor) -> torch.Tensor:
+        """A ``(leaves, width - 1)`` per-prediction grid (the fused head's layout for the padded batch)
+        as stock's ``(1, positions)`` row: each labelled position's value, zero elsewhere;
+        differentiable."""
+        index = torch.from_numpy(self.labelled).to(grid.device)
+        leaf, depth = (torch.from_numpy(x).to(grid.device) for x in (self.leaf, self.depth))
+        out = grid.new_zeros(self.num_positions).index_put((index,), grid[leaf, depth])
+        return out.unsqueeze(0)
+
+
+def _host(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
