@@ -19,6 +19,8 @@ _LAZY = {
     **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",
                                       "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer",
                                       "TreeDPOConfig", "TreeDPOTrainer")},
+    # TRL's experimental async GRPO: imported only when asked for
+    **{name: ".trainers.async_grpo" for name in ("TreeAsyncGRPOConfig", "TreeAsyncGRPOTrainer")},
 }
 
 

@@ -1,0 +1,208 @@
+"""TreeAsyncGRPOTrainer against TRL's AsyncGRPOTrainer: one update on the same sample stream, TRL's
+batcher deciding the micro-batches (fp32, CPU).
+
+Stock runs its packed row through a FlashAttention-3 kernel fetched from the hub, which cannot be
+installed here: the tests put an exact stand-in under the function stock fetches it with
+(``packing._flash_attn``) — PyTorch's SDPA per segment against its root path, causal aligned
+bottom-right, as the varlen kernel computes. Rollouts come from a stub worker the test fills (no
+vLLM server), weights go to a transfer that only reads them.
+"""
+
+from __future__ import annotations
+
+import queue
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("trl.experimental.async_grpo")
+from trl.experimental.async_grpo import packing  # noqa: E402
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+
+from trl_tree.bench.common import bench_tokenizer  # noqa: E402
+from trl_tree.tiny import tiny_model  # noqa: E402
+from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer  # noqa: E402
+
+VOCAB = 96
+
+
+def exact_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=True,
+                 window_size=(-1, -1), **_):
+    """FlashAttention's varlen function, computed segment by segment with SDPA (bottom-right causal)."""
+    assert causal and tuple(window_size) == (-1, -1)
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cq) - 1):
+        n, m = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        qs = q[cq[s] : cq[s + 1]].transpose(0, 1)
+        ks, vs = (x[ck[s] : ck[s + 1]].transpose(0, 1).repeat_interleave(groups, 0) for x in (k, v))
+        mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+        out[cq[s] : cq[s + 1]] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                                scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=exact_varlen))
+    # stock looks its peak FLOPs up by CUDA device name, which fails without CUDA (the tree trainer turns the
+    # MFU metrics off there)
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+
+
+class StubWorker:
+    """TRL's ``RolloutWorkerProtocol`` over a fixed list of samples."""
+
+    def __init__(self, samples):
+        self.rollout_buffer: queue.Queue = queue.Queue()
+        for sample in samples:
+            self.rollout_buffer.put(sample)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.versions: list[int] = []
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, version):
+        self.versions.append(version)
+
+    def check_health(self, stale_after_s):
+        raise RuntimeError("the test's samples ran out")
+
+
+class ReadingTransfer:
+    """TRL's ``WeightTransferProtocol`` that reads the weights and sends them nowhere."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def forking_stream(seed: int = 0, groups: int = 12) -> list[RolloutSample]:
+    """Groups of rollouts of a multi-turn conversation forking into rows: a shared system prompt and
+    first turn, tool outputs (not trained), completions of free lengths."""
+    rng = np.random.default_rng(seed)
+
+    def tok(n):
+        return rng.integers(2, VOCAB, n).tolist()
+
+    samples = []
+    system = tok(10)
+    for g in range(groups):
+        turn = tok(4)
+        for r in range(3):
+            tool, answer = tok(3), tok(int(rng.integers(2, 6)))
+            ids = system + turn + tok(2) + tool + answer
+            mask = np.zeros(len(ids), dtype=np.int64)
+            mask[14:16] = 1  # the first completion
+            mask[19:] = 1  # after the tool's output
+            samples.append(RolloutSample(
+                prompt=[], completion=[], input_ids=np.asarray(ids), completion_mask=mask,
+                old_log_probs=rng.normal(-4.6, 0.3, len(ids)).astype(np.float32),
+                advantage=float(rng.normal()), model_version=0, group_id=g, metrics={"reward": float(r)}))
+    return samples
+
+
+def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, **extra):
+    config = dict(output_dir=str(tmp_path / "out"), max_steps=1, learning_rate=0.5, optim="sgd",
+                  per_device_train_batch_size=4, gradient_accumulation_steps=1, token_budget=64, report_to="none",
+                  save_strategy="no", logging_steps=1, use_cpu=True, bf16=False, max_staleness=8,
+                  disable_tqdm=True, **extra)
+    if mode is not None:
+        config["tree_mode"] = mode
+    from datasets import Dataset
+
+    args = TreeAsyncGRPOConfig(**config) if trainer_cls is TreeAsyncGRPOTrainer else \
+        __import__("trl.experimental.async_grpo", fromlist=["AsyncGRPOConfig"]).AsyncGRPOConfig(**config)
+    trainer = trainer_cls(model, args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
+                          processing_class=bench_tokenizer(VOCAB), rollout_worker=StubWorker(samples),
+                          weight_transfer=ReadingTransfer())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}, logs
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy")
+    tiny_model("qwen2", vocab_size=VOCAB).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_one_update_equals_stock(stand_in_kernel, saved_model, tmp_path, mode):
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    samples = forking_stream()
+    stock, stock_logs = train_once(tmp_path / "stock", AsyncGRPOTrainer, saved_model, None, list(samples))
+    tree, tree_logs = train_once(tmp_path / "tree", TreeAsyncGRPOTrainer, saved_model, mode, list(samples))
+    from transformers import AutoModelForCausalLM
+
+    before = dict(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32).named_parameters())
+    moved = 0.0
+    for name, want in stock.items():
+        got = tree[name]
+        delta = (want - before[name].detach()).norm()
+        moved = max(moved, float(delta))
+        err = float((got - want).norm() / delta.clamp(min=1e-12))
+        assert err < 1e-5 or float((got - want).abs().max()) < 1e-7, f"{name}: update differs by {err:.2e}"
+    assert moved > 1e-4  # the step did move the weights
+    assert tree_logs[-1]["loss"] == pytest.approx(stock_logs[-1]["loss"], rel=1e-5, abs=1e-7)
+    assert tree_logs[-1]["tree/dedup_ratio"] > 1.5
+
+
+def test_a_model_object_is_accepted(stand_in_kernel, saved_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    samples = forking_stream(1)
+    by_name, _ = train_once(tmp_path / "name", TreeAsyncGRPOTrainer, saved_model, "packed", list(samples))
+    model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    by_object, _ = train_once(tmp_path / "object", TreeAsyncGRPOTrainer, model, "packed", list(samples))
+    for name, want in by_name.items():
+        torch.testing.assert_close(by_object[name], want, rtol=1e-6, atol=1e-7)
+
+
+def test_tree_off_is_stock(stand_in_kernel, saved_model, tmp_path):
+    """tree_mode='off' with a model object: stock's own packed pass (the object switched to stock's
+    attention), stock's update bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    samples = forking_stream(2)
+    stock, _ = train_once(tmp_path / "stock", AsyncGRPOTrainer, saved_model, None, list(samples))
+    model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    off, logs = train_once(tmp_path / "off", TreeAsyncGRPOTrainer, model, "off", list(samples))
+    for name, want in stock.items():
+        assert torch.equal(off[name], want), name
+    assert "tree/dedup_ratio" not in logs[-1]
+
+
+def test_refusals_are_named(stand_in_kernel, saved_model, tmp_path):
+    import trl_tree
+
+    assert trl_tree.TreeAsyncGRPOTrainer is TreeAsyncGRPOTrainer
+    with pytest.raises(ValueError, match="tree_cuda_graphs"):
+        train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(), tree_cuda_graphs=True)
+    with pytest.raises(ValueError, match="tree_window='accumulation'"):
+        TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_window="accumulation", use_cpu=True)

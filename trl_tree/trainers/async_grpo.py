@@ -1,0 +1,151 @@
+"""``TreeAsyncGRPOTrainer``: TRL's asynchronous GRPO with this package's engine running its
+micro-batches.
+
+TRL 1.16's ``trl.experimental.async_grpo`` already folds each rank's samples into a trie row and
+runs one packed pass through a hub FlashAttention-3 kernel (``tree_fa3``). Here that pass is the
+tree engine's: the trainer keeps stock's rollout queue, staleness rule, batcher, collator and loss
+code, and answers the fused LM head's call on the packed row from the engine (``trie_rows.py``: the
+row read back as its leaves' sequences, the scores put back in stock's layout). So ``tree_mode``
+picks the engine's packed pass (its own kernels, FA4 where ``auto`` picks it) or the depth-first
+walk, ``tree_token_budget`` cuts a row into calls, and a model object is accepted where stock takes
+only a name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo import async_grpo_trainer as stock_module
+
+from .config import TreeArguments, as_tree_config
+from .sft_rows import SFTRows
+from .tree_calls import TreeCallsMixin
+from .trie_rows import TrieRow
+
+#: the packed row's attention inputs stock passes to the fused forward
+TRIE_KWARGS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlen_q", "tree_max_seqlen_k")
+
+
+@dataclass
+class TreeAsyncGRPOConfig(AsyncGRPOConfig, TreeArguments):
+    """``trl.experimental.async_grpo.AsyncGRPOConfig`` plus the tree fields of :class:`TreeArguments`.
+    Which samples form a micro-batch stays TRL's batcher's choice (``token_budget``)."""
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        if self.tree_window == "accumulation":
+            raise ValueError("tree_window='accumulation' places a synchronous generation batch's trees on ranks; the "
+                             "async trainer's micro-batches come from TRL's batcher: leave it at 'auto'")
+        self._default_to_cpu()
+        super().__post_init__()
+
+
+class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
+    """Drop-in for ``trl.experimental.async_grpo.AsyncGRPOTrainer``: the same constructor; ``model``
+    may also be a model object (stock takes a name, loaded with its hub kernel's attention)."""
+
+    _tag_names = ["trl", "async-grpo", "trl_tree"]
+
+    def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+        args = as_tree_config(args, TreeAsyncGRPOConfig, model, "AsyncGRPO")
+        with _given_model(model, args) as name_or_model, _peak_flops_off_cuda():
+            super().__init__(name_or_model, reward_funcs, args, *rest, **kwargs)
+        if args.tree_mode != "off":
+            self._own_attention()
+            self._install_trie_head()
+        self._setup_tree()
+
+    def _own_attention(self) -> None:
+        """A model stock loaded with its hub kernel's attention name runs the engine's attention on
+        ``sdpa``'s name instead: stock registers its own function under that name again at every
+        construction, which would undo the engine's routing of it (``attention/dispatch.py``)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if model.config._attn_implementation == stock_module.TREE_ATTENTION:
+            model.set_attn_implementation("sdpa")
+
+    def _install_trie_head(self) -> None:
+        """Stock's fused forward on its packed row, answered by the tree (the trained model's causal
+        LM: the PEFT base under LoRA, whose fused head stock installed)."""
+        causal_lm = self.accelerator.unwrap_model(self.model)
+        causal_lm = causal_lm.get_base_model() if isinstance(causal_lm, PeftModel) else causal_lm
+        original = causal_lm.forward
+        owner = weakref.ref(self)
+
+        def forward(module, *args, fused_lm_head=False, shift_labels=None, **kwargs):
+            trainer = owner()
+            trie = {name: kwargs.pop(name) for name in TRIE_KWARGS if name in kwargs}
+            plain = (trainer is not None and fused_lm_head and not args and shift_labels is not None
+                     and len(trie) == len(TRIE_KWARGS) and set(kwargs) <= {"input_ids", "position_ids"})
+            if not plain:
+                return original(*args, fused_lm_head=fused_lm_head, shift_labels=shift_labels, **kwargs, **trie)
+            return trainer._trie_outputs(module, kwargs["input_ids"], kwargs["position_ids"], shift_labels, trie)
+
+        causal_lm.forward = types.MethodType(forward, causal_lm)
+
+    def _trie_outputs(self, model, input_ids, position_ids, shift_labels, trie: dict):
+        """TRL's ``FusedCausalLMOutput`` for one packed row, from the tree."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        row = TrieRow.from_packed(input_ids[0], position_ids[0], shift_labels[0], trie["tree_kv_index"],
+                                  trie["tree_cu_seqlens_q"], trie["tree_cu_seqlens_k"], type(self).__name__)
+        batch = row.padded_batch(self.processing_class.pad_token_id, input_ids.device)
+        rows = SFTRows.from_batch(batch, type(self).__name__)
+        differentiable = torch.is_grad_enabled()
+        logps, entropies, _, forests = self._offline_scores(model, rows.rows, batch["input_ids"].shape[1],
+                                                            differentiable)
+        if differentiable:
+            self._log_forests(forests)
+        layout = (batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
+        log_probs = row.to_packed(rows.to_batch(logps, layout))
+        entropy = row.to_packed(rows.to_batch(entropies, layout))
+        return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy)
+
+    def _check_trainer_support(self) -> None:
+        args = self.args
+        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+        self._refuse({
+            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
+                bool(getattr(self, "aux_loss_enabled", False)),
+            "tree_cuda_graphs (not verified with the async trainer yet)": bool(args.tree_cuda_graphs),
+            "FSDP (not verified with the async trainer yet; DDP and one process are)": self._sharded(),
+            "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
+            "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
+        })
+
+
+@contextlib.contextmanager
+def _given_model(model, args: TreeAsyncGRPOConfig):
+    """Stock loads ``model`` by name with its hub kernel's attention; a model object is handed to its
+    constructor in place of that loading (with ``tree_mode='off'`` it must then run stock's
+    attention itself, so it is switched to the name stock registers)."""
+    if not isinstance(model, PreTrainedModel):
+        yield model
+        return
+    if args.tree_mode == "off":
+        stock_module.register_tree_attention()
+        model.set_attn_implementation(stock_module.TREE_ATTENTION)
+
+    def given(name, **kwargs):
+        return model
+
+    with mock.patch.object(stock_module, "create_model_from_path", given):
+        yield getattr(model.config, "_name_or_path", "") or "model"
+
+
+@contextlib.contextmanager
+def _peak_flops_off_cuda():
+    """Stock looks its device's peak FLOPs up by CUDA device name, which fails on a machine without
+    CUDA; there the MFU metrics are off (the None stock uses for an unknown device)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with mock.patch.object(stock_module, "get_peak_flops_per_device", lambda accelerator, dtype: None):
+        yield
