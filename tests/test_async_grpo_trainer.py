@@ -124,7 +124,7 @@ def forking_stream(seed: int = 0, groups: int = 12) -> list[RolloutSample]:
     return samples
 
 
-def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, **extra):
+def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, peft_config=None, **extra):
     config = dict(output_dir=str(tmp_path / "out"), max_steps=1, learning_rate=0.5, optim="sgd",
                   per_device_train_batch_size=4, gradient_accumulation_steps=1, token_budget=64, report_to="none",
                   save_strategy="no", logging_steps=1, use_cpu=True, bf16=False, max_staleness=8,
@@ -137,7 +137,7 @@ def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, **extra)
         __import__("trl.experimental.async_grpo", fromlist=["AsyncGRPOConfig"]).AsyncGRPOConfig(**config)
     trainer = trainer_cls(model, args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
                           processing_class=bench_tokenizer(VOCAB), rollout_worker=StubWorker(samples),
-                          weight_transfer=ReadingTransfer())
+                          weight_transfer=ReadingTransfer(), peft_config=peft_config)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}, logs
@@ -206,3 +206,22 @@ def test_refusals_are_named(stand_in_kernel, saved_model, tmp_path):
         train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(), tree_cuda_graphs=True)
     with pytest.raises(ValueError, match="tree_window='accumulation'"):
         TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_window="accumulation", use_cpu=True)
+
+
+def test_lora_update_equals_stock(stand_in_kernel, saved_model, tmp_path):
+    """Under LoRA the tree scores the PEFT base's fused head with the adapters active: the adapters'
+    update is stock's."""
+    from peft import LoraConfig
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    samples = forking_stream(3)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    stock, _ = train_once(tmp_path / "stock", AsyncGRPOTrainer, saved_model, None, list(samples),
+                          peft_config=LoraConfig(**lora))
+    tree, logs = train_once(tmp_path / "tree", TreeAsyncGRPOTrainer, saved_model, "packed", list(samples),
+                            peft_config=LoraConfig(**lora))
+    adapters = [name for name in stock if "lora_" in name]
+    assert adapters and logs[-1]["tree/dedup_ratio"] > 1.5
+    for name in adapters:
+        torch.testing.assert_close(tree[name], stock[name], rtol=1e-5, atol=1e-7)
+    assert any(float(stock[name].abs().max()) > 0 for name in adapters if "lora_B" in name)  # B moved off zero

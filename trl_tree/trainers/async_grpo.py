@@ -115,7 +115,7 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (not verified with the async trainer yet)": bool(args.tree_cuda_graphs),
-            "FSDP (not verified with the async trainer yet; DDP and one process are)": self._sharded(),
+            "FSDP (not verified with the async trainer yet)": self._sharded(),
             "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
             "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
         })
