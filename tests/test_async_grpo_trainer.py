@@ -128,7 +128,8 @@ def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, peft_con
     config = dict(output_dir=str(tmp_path / "out"), max_steps=1, learning_rate=0.5, optim="sgd",
                   per_device_train_batch_size=4, gradient_accumulation_steps=1, token_budget=64, report_to="none",
                   save_strategy="no", logging_steps=1, use_cpu=True, bf16=False, max_staleness=8,
-                  disable_tqdm=True, **extra)
+                  disable_tqdm=True)
+    config.update(extra)
     if mode is not None:
         config["tree_mode"] = mode
     from datasets import Dataset
@@ -206,6 +207,8 @@ def test_refusals_are_named(stand_in_kernel, saved_model, tmp_path):
         train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(), tree_cuda_graphs=True)
     with pytest.raises(ValueError, match="tree_window='accumulation'"):
         TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_window="accumulation", use_cpu=True)
+    with pytest.raises(ValueError, match="loss_normalization must be one of"):
+        TreeAsyncGRPOConfig(output_dir=str(tmp_path), loss_normalization="sequence", use_cpu=True)
 
 
 def test_lora_update_equals_stock(stand_in_kernel, saved_model, tmp_path):
@@ -225,3 +228,47 @@ def test_lora_update_equals_stock(stand_in_kernel, saved_model, tmp_path):
     for name in adapters:
         torch.testing.assert_close(tree[name], stock[name], rtol=1e-5, atol=1e-7)
     assert any(float(stock[name].abs().max()) > 0 for name in adapters if "lora_B" in name)  # B moved off zero
+
+
+def test_window_normalization_equals_a_per_sequence_reference(stand_in_kernel, saved_model, tmp_path, monkeypatch):
+    """loss_normalization='window': every trained token of the optimizer step weighs the same — the
+    update equals the plain per-sequence loss over the step's samples divided by their trained tokens
+    (two accumulated micro-batches of different sizes; the samples of each recorded where TRL's
+    collator receives them)."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    collated = []
+    original = async_grpo_trainer.DataCollatorForRollout.torch_call
+
+    def recording(self, examples):
+        collated.append([dict(s) for row in examples[0] for s in row.samples])
+        return original(self, examples)
+
+    monkeypatch.setattr(async_grpo_trainer.DataCollatorForRollout, "torch_call", recording)
+    lr = 0.5
+    tree, logs = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(11),
+                            gradient_accumulation_steps=2, loss_normalization="window", token_budget=48,
+                            max_grad_norm=0.0)  # the reference below takes the plain SGD step
+    window = collated[:2]  # the step's micro-batches, in the order trained (later ones were prefetched)
+    trained = [sum(int(s["completion_mask"][1:].sum()) for s in batch) for batch in window]
+    assert len(window) == 2 and trained[0] != trained[1]  # where stock's per-micro-batch weighting differs
+
+    model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    terms, total = [], 0
+    for sample in (s for batch in window for s in batch):
+        ids = torch.as_tensor(sample["input_ids"]).long()
+        mask = torch.as_tensor(sample["completion_mask"]).bool()
+        logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), -1).gather(
+            1, ids[1:, None])[:, 0]
+        trained = mask[1:]
+        ratio = torch.exp(logp[trained] - torch.as_tensor(sample["old_log_probs"]).float()[1:][trained])
+        advantage = float(sample["advantage"])
+        terms.append(-torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage))
+        total += int(trained.sum())
+    (torch.cat(terms).sum() / total).backward()
+    for name, p in model.named_parameters():
+        want = p.detach() - lr * p.grad
+        delta = (lr * p.grad).norm()
+        err = float((tree[name] - want).norm() / delta.clamp(min=1e-12))
+        assert err < 1e-5 or float((tree[name] - want).abs().max()) < 1e-7, f"{name}: {err:.2e}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -34,13 +34,28 @@ from .trie_rows import TrieRow
 TRIE_KWARGS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlen_q", "tree_max_seqlen_k")
 
 
+#: how the policy loss's token sum is normalised
+LOSS_NORMALIZATIONS = ("micro_batch", "window")
+
+
 @dataclass
 class TreeAsyncGRPOConfig(AsyncGRPOConfig, TreeArguments):
     """``trl.experimental.async_grpo.AsyncGRPOConfig`` plus the tree fields of :class:`TreeArguments`.
     Which samples form a micro-batch stays TRL's batcher's choice (``token_budget``)."""
 
+    loss_normalization: str = field(
+        default="micro_batch",
+        metadata={"help": "'micro_batch' (default, stock's numbers): each micro-batch's token sum divided by its own "
+                  "trained tokens (over all ranks), then by the accumulation steps — a token of a short micro-batch "
+                  "weighs more than one of a long one. 'window' (opt-in, changes the numbers; the fix TRL issue #7206 "
+                  "asks for): every token of the optimizer step weighs the same, the sum over the whole accumulation "
+                  "window and all ranks divided by the window's trained tokens."},
+    )
+
     def __post_init__(self):
         self._check_tree_fields()
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
         if self.tree_window == "accumulation":
             raise ValueError("tree_window='accumulation' places a synchronous generation batch's trees on ranks; the "
                              "async trainer's micro-batches come from TRL's batcher: leave it at 'auto'")
@@ -107,6 +122,25 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         log_probs = row.to_packed(rows.to_batch(logps, layout))
         entropy = row.to_packed(rows.to_batch(entropies, layout))
         return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches; with ``loss_normalization='window'`` also their trained
+        tokens over all ranks (each batch carries its own global count)."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._tree_window_tokens = sum(float(b["global_n_tokens"][0]) for b in batches) if batches else None
+        return batches, num_items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.loss_normalization != "window":
+            return loss
+        # stock divided the micro-batch's sum by max(N_mb / W, 1) and by the accumulation steps; the
+        # window's weighting divides it by N_window / W (DDP's average over the W ranks then gives
+        # the window's sum over N_window)
+        world = self.accelerator.num_processes
+        per_rank = max(float(inputs["global_n_tokens"][0]) / world, 1.0)
+        return loss * (per_rank * self.current_gradient_accumulation_steps * world
+                       / max(self._tree_window_tokens, 1.0))
 
     def _check_trainer_support(self) -> None:
         args = self.args
