@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("trl.experimental.async_grpo")
-from trl.experimental.async_grpo import packing  # noqa: E402
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from trl.experimental.async_grpo import packing
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from trl_tree.bench.common import bench_tokenizer  # noqa: E402
-from trl_tree.tiny import tiny_model  # noqa: E402
-from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer  # noqa: E402
+from trl_tree.bench.common import bench_tokenizer
+from trl_tree.tiny import tiny_model
+from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
 VOCAB = 96
 
@@ -247,7 +247,7 @@ def test_window_normalization_equals_a_per_sequence_reference(stand_in_kernel, s
 
     monkeypatch.setattr(async_grpo_trainer.DataCollatorForRollout, "torch_call", recording)
     lr = 0.5
-    tree, logs = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(11),
+    tree, _ = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(11),
                             gradient_accumulation_steps=2, loss_normalization="window", token_budget=48,
                             max_grad_norm=0.0)  # the reference below takes the plain SGD step
     window = collated[:2]  # the step's micro-batches, in the order trained (later ones were prefetched)

@@ -17,6 +17,7 @@ CASES = [
     ("grpo_tree.py", ["--steps", "6", *SHORT]),
     ("grpo_tree_lora.py", ["--steps", "6", *SHORT]),
     ("agentic_tools_tree.py", ["--steps", "6", "--num-generations", "4"]),
+    ("async_grpo_tree.py", ["--steps", "12"]),  # the local rollout worker, no server
 ]
 
 

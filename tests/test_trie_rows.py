@@ -8,12 +8,12 @@ import pytest
 import torch
 
 pytest.importorskip("trl.experimental.async_grpo")
-from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+from trl.experimental.async_grpo.packing import TreeRow
 
-from trl_tree import tree_logprobs  # noqa: E402
-from trl_tree.reference import untreed_logprobs  # noqa: E402
-from trl_tree.trainers.sft_rows import SFTRows  # noqa: E402
-from trl_tree.trainers.trie_rows import TrieRow  # noqa: E402
+from trl_tree import tree_logprobs
+from trl_tree.reference import untreed_logprobs
+from trl_tree.trainers.sft_rows import SFTRows
+from trl_tree.trainers.trie_rows import TrieRow
 
 
 def forking_samples(seed: int = 0) -> list[dict]:

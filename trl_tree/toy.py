@@ -11,6 +11,7 @@ turns that look a key up and answer with its value — whose per-turn samples sh
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -59,9 +60,13 @@ AGENT_KEYS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "the
 
 
 def chat_tokenizer():
-    """``tiny_tokenizer`` with :data:`CHAT_TEMPLATE`."""
+    """``tiny_tokenizer`` with :data:`CHAT_TEMPLATE`, and the ``response_template`` that parses an
+    assistant turn back into a message (TRL's rollout loop reads its generations that way)."""
     tok = tiny_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "a:",
+                             "fields": {"content": {"close_pattern": re.escape(tok.eos_token) + r"|$",
+                                                    "content": "text"}}}
     return tok
 
 

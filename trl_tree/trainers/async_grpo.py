@@ -69,10 +69,20 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
 
     _tag_names = ["trl", "async-grpo", "trl_tree"]
 
-    def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None,
+                 callbacks=None, optimizers=(None, None), peft_config=None, tools=None, environment_factory=None,
+                 rollout_worker=None, weight_transfer=None):
         args = as_tree_config(args, TreeAsyncGRPOConfig, model, "AsyncGRPO")
+        if isinstance(rollout_worker, str):
+            if rollout_worker != "local":
+                raise ValueError(f"rollout_worker: a worker object, None (TRL's vLLM worker) or 'local', got "
+                                 f"{rollout_worker!r}")
+            model, processing_class, rollout_worker = _local_worker(model, args, train_dataset, processing_class,
+                                                                    reward_funcs, tools, environment_factory)
+            weight_transfer = rollout_worker.weight_transfer
         with _given_model(model, args) as name_or_model, _peak_flops_off_cuda():
-            super().__init__(name_or_model, reward_funcs, args, *rest, **kwargs)
+            super().__init__(name_or_model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
+                             peft_config, tools, environment_factory, rollout_worker, weight_transfer)
         if args.tree_mode != "off":
             self._own_attention()
             self._install_trie_head()
@@ -183,3 +193,44 @@ def _peak_flops_off_cuda():
         return
     with mock.patch.object(stock_module, "get_peak_flops_per_device", lambda accelerator, dtype: None):
         yield
+
+
+def _local_worker(model, args: TreeAsyncGRPOConfig, train_dataset, processing_class, reward_funcs, tools,
+                  environment_factory):
+    """``rollout_worker='local'``: the model and tokenizer loaded as stock would (a name) and a
+    :class:`~trl_tree.trainers.local_rollout.LocalRolloutWorker` handed what stock hands its own
+    worker. Returns ``(model, processing_class, worker)``."""
+    from transformers import AutoTokenizer
+
+    from .local_rollout import LocalRolloutWorker
+
+    if args.token_budget is None:
+        raise ValueError("rollout_worker='local' needs token_budget (the most unique tokens of one rank's micro-batch): "
+                         "stock's default asks the vLLM server for its max_model_len")
+    if not isinstance(model, PreTrainedModel):
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        kwargs.setdefault("dtype", args.dtype)
+        name = model
+        model = stock_module.create_model_from_path(name, device_map=None, attn_implementation="sdpa", **kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    if processing_class is None:
+        raise ValueError("rollout_worker='local' with a model object needs processing_class")
+    if processing_class.pad_token is None:
+        processing_class.pad_token = processing_class.eos_token
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if processing_class.eos_token_id not in eos:
+        eos = [processing_class.eos_token_id, *eos]
+    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else args.num_generations
+    worker = LocalRolloutWorker(
+        model, processing_class, train_dataset, funcs, eos_token_ids=eos, num_generations=args.num_generations,
+        max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, tools=tools,
+        environment_factory=environment_factory, max_inflight_tasks=inflight, queue_maxsize=args.queue_maxsize,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        fork_threshold_tokens=args.fork_threshold_tokens, chat_template_kwargs=args.chat_template_kwargs,
+        log_completions=args.log_completions)
+    return model, processing_class, worker

@@ -36,7 +36,7 @@ class TrieRow:
 
     @classmethod
     def from_packed(cls, input_ids, position_ids, shift_labels, kv_index, cu_seqlens_q, cu_seqlens_k,
-                    who: str = "the tree") -> "TrieRow":
+                    who: str = "the tree") -> TrieRow:
         """From one rank's unpadded row (1-D tensors or arrays as ``TreeRow.pack`` returns them).
         Refuses a row whose labels are not the next token of their leaf (a layout this reading does
         not describe), with the position: never a wrong number."""
