@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("trl.experimental.async_grpo")
-from trl.experimental.async_grpo import packing
+from trl.experimental.async_grpo import AsyncGRPOConfig, packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_tree.bench.common import bench_tokenizer
@@ -134,8 +134,7 @@ def train_once(tmp_path, trainer_cls, model, mode: str | None, samples, peft_con
         config["tree_mode"] = mode
     from datasets import Dataset
 
-    args = TreeAsyncGRPOConfig(**config) if trainer_cls is TreeAsyncGRPOTrainer else \
-        __import__("trl.experimental.async_grpo", fromlist=["AsyncGRPOConfig"]).AsyncGRPOConfig(**config)
+    args = (TreeAsyncGRPOConfig if trainer_cls is TreeAsyncGRPOTrainer else AsyncGRPOConfig)(**config)
     trainer = trainer_cls(model, args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
                           processing_class=bench_tokenizer(VOCAB), rollout_worker=StubWorker(samples),
                           weight_transfer=ReadingTransfer(), peft_config=peft_config)

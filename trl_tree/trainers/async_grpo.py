@@ -26,6 +26,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 
 from .config import TreeArguments, as_tree_config
+from .fused_forward import tree_fused_outputs
 from .sft_rows import SFTRows
 from .tree_calls import TreeCallsMixin
 from .trie_rows import TrieRow
@@ -116,22 +117,17 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         causal_lm.forward = types.MethodType(forward, causal_lm)
 
     def _trie_outputs(self, model, input_ids, position_ids, shift_labels, trie: dict):
-        """TRL's ``FusedCausalLMOutput`` for one packed row, from the tree."""
+        """TRL's ``FusedCausalLMOutput`` for one packed row, from the tree: the row's leaves scored as
+        the offline trainers' fused calls are (``fused_forward.tree_fused_outputs``), their scores put
+        back in the row's layout."""
         from trl.trainer.utils import FusedCausalLMOutput
 
         row = TrieRow.from_packed(input_ids[0], position_ids[0], shift_labels[0], trie["tree_kv_index"],
                                   trie["tree_cu_seqlens_q"], trie["tree_cu_seqlens_k"], type(self).__name__)
         batch = row.padded_batch(self.processing_class.pad_token_id, input_ids.device)
         rows = SFTRows.from_batch(batch, type(self).__name__)
-        differentiable = torch.is_grad_enabled()
-        logps, entropies, _, forests = self._offline_scores(model, rows.rows, batch["input_ids"].shape[1],
-                                                            differentiable)
-        if differentiable:
-            self._log_forests(forests)
-        layout = (batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
-        log_probs = row.to_packed(rows.to_batch(logps, layout))
-        entropy = row.to_packed(rows.to_batch(entropies, layout))
-        return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy)
+        out = tree_fused_outputs(self, model, rows, batch["input_ids"].shape, batch["labels"], None, (), policy=True)
+        return FusedCausalLMOutput(log_probs=row.to_packed(out.log_probs), entropy=row.to_packed(out.entropy))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The optimizer step's micro-batches; with ``loss_normalization='window'`` also their trained

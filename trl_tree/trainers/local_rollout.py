@@ -25,10 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from peft import PeftModel
 
-#: what stock's worker takes from the trainer's config, by the names its loop uses
-SAMPLING_FIELDS = {"max_tokens": "max_completion_length", "temperature": "temperature", "top_p": "top_p",
-                   "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
-
 
 class LocalGenerator:
     """A copy of the policy that samples one turn at a time (one thread; a lock the weight transfer

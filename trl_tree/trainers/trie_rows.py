@@ -54,22 +54,27 @@ class TrieRow:
         inner[segment_of[parent_last]] = True
         leaves = np.flatnonzero(~inner)
         paths = [kv[cu_k[s] : cu_k[s + 1]] for s in leaves]
-        for path in paths:
-            if not np.array_equal(pos[path], np.arange(path.shape[0])):
-                raise ValueError(f"{who}: a packed root path does not run through depths 0, 1, 2, ...")
-        owner = np.repeat(np.arange(len(paths)), [p.shape[0] for p in paths])
+        # the leaves' root paths end to end: path l's entry d at starts[l] + d
+        lengths = path_len[leaves]
+        starts = np.zeros(leaves.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        owner = np.repeat(np.arange(leaves.shape[0]), lengths)
         flat = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
+        if not np.array_equal(pos[flat], np.arange(flat.shape[0]) - starts[owner]):
+            raise ValueError(f"{who}: a packed root path does not run through depths 0, 1, 2, ...")
         rows, first = np.unique(flat, return_index=True)  # each position's first leaf below it
         leaf_of = np.full(n, -1, dtype=np.int64)
         leaf_of[rows] = owner[first]
         labelled = np.flatnonzero(labels != -100)
         leaf, depth = leaf_of[labelled], pos[labelled]
-        sequences = [ids[p].tolist() for p in paths]
-        for p, l, d in zip(labelled.tolist(), leaf.tolist(), depth.tolist()):
-            if l < 0 or d + 1 >= len(sequences[l]) or sequences[l][d + 1] != int(labels[p]):
-                raise ValueError(f"{who}: packed position {p} is trained to predict token {int(labels[p])}, which "
-                                 "is not the next token of its path")
-        return cls(sequences, labelled, leaf, depth, n)
+        on_path = (leaf >= 0) & (depth + 1 < lengths[np.maximum(leaf, 0)])
+        following = ids[flat[np.where(on_path, starts[np.maximum(leaf, 0)] + depth + 1, 0)]]
+        wrong = np.flatnonzero(~on_path | (following != labels[labelled]))
+        if wrong.size:
+            p = int(labelled[wrong[0]])
+            raise ValueError(f"{who}: packed position {p} is trained to predict token {int(labels[p])}, which is not "
+                             "the next token of its path")
+        return cls([ids[path].tolist() for path in paths], labelled, leaf, depth, n)
 
     def padded_batch(self, pad_token_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The leaves as a right-padded batch with labels only where a packed position is scored
