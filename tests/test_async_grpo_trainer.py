@@ -208,6 +208,10 @@ def test_refusals_are_named(stand_in_kernel, saved_model, tmp_path):
         TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_window="accumulation", use_cpu=True)
     with pytest.raises(ValueError, match="loss_normalization must be one of"):
         TreeAsyncGRPOConfig(output_dir=str(tmp_path), loss_normalization="sequence", use_cpu=True)
+    with pytest.raises(ValueError, match="tree_batcher must be one of"):
+        TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_batcher="groups", use_cpu=True)
+    with pytest.raises(ValueError, match="token_budget=0"):
+        TreeAsyncGRPOConfig(output_dir=str(tmp_path), tree_batcher="rollouts", token_budget=0, use_cpu=True)
 
 
 def test_lora_update_equals_stock(stand_in_kernel, saved_model, tmp_path):
@@ -229,33 +233,14 @@ def test_lora_update_equals_stock(stand_in_kernel, saved_model, tmp_path):
     assert any(float(stock[name].abs().max()) > 0 for name in adapters if "lora_B" in name)  # B moved off zero
 
 
-def test_window_normalization_equals_a_per_sequence_reference(stand_in_kernel, saved_model, tmp_path, monkeypatch):
-    """loss_normalization='window': every trained token of the optimizer step weighs the same — the
-    update equals the plain per-sequence loss over the step's samples divided by their trained tokens
-    (two accumulated micro-batches of different sizes; the samples of each recorded where TRL's
-    collator receives them)."""
+def assert_per_sequence_update(tree: dict, saved_model: str, samples: list[dict], lr: float) -> None:
+    """``tree``'s parameters after one SGD step equal the plain per-sequence reference: each sample's
+    clipped policy loss summed over its trained tokens, divided by all of their trained tokens."""
     from transformers import AutoModelForCausalLM
-    from trl.experimental.async_grpo import async_grpo_trainer
-
-    collated = []
-    original = async_grpo_trainer.DataCollatorForRollout.torch_call
-
-    def recording(self, examples):
-        collated.append([dict(s) for row in examples[0] for s in row.samples])
-        return original(self, examples)
-
-    monkeypatch.setattr(async_grpo_trainer.DataCollatorForRollout, "torch_call", recording)
-    lr = 0.5
-    tree, _ = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(11),
-                            gradient_accumulation_steps=2, loss_normalization="window", token_budget=48,
-                            max_grad_norm=0.0)  # the reference below takes the plain SGD step
-    window = collated[:2]  # the step's micro-batches, in the order trained (later ones were prefetched)
-    trained = [sum(int(s["completion_mask"][1:].sum()) for s in batch) for batch in window]
-    assert len(window) == 2 and trained[0] != trained[1]  # where stock's per-micro-batch weighting differs
 
     model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
     terms, total = [], 0
-    for sample in (s for batch in window for s in batch):
+    for sample in samples:
         ids = torch.as_tensor(sample["input_ids"]).long()
         mask = torch.as_tensor(sample["completion_mask"]).bool()
         logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), -1).gather(
@@ -271,3 +256,57 @@ def test_window_normalization_equals_a_per_sequence_reference(stand_in_kernel, s
         delta = (lr * p.grad).norm()
         err = float((tree[name] - want).norm() / delta.clamp(min=1e-12))
         assert err < 1e-5 or float((tree[name] - want).abs().max()) < 1e-7, f"{name}: {err:.2e}"
+
+
+def recorded_micro_batches(monkeypatch) -> list[list[dict]]:
+    """The samples of each micro-batch, recorded where TRL's collator receives them (filled as it trains)."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    collated = []
+    original = async_grpo_trainer.DataCollatorForRollout.torch_call
+
+    def recording(self, examples):
+        collated.append([dict(s) for row in examples[0] for s in row.samples])
+        return original(self, examples)
+
+    monkeypatch.setattr(async_grpo_trainer.DataCollatorForRollout, "torch_call", recording)
+    return collated
+
+
+def test_window_normalization_equals_a_per_sequence_reference(stand_in_kernel, saved_model, tmp_path, monkeypatch):
+    """loss_normalization='window': every trained token of the optimizer step weighs the same — the
+    update equals the plain per-sequence loss over the step's samples divided by their trained tokens
+    (two accumulated micro-batches of different sizes; the samples of each recorded where TRL's
+    collator receives them)."""
+    collated = recorded_micro_batches(monkeypatch)
+    lr = 0.5
+    tree, _ = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "packed", forking_stream(11),
+                            gradient_accumulation_steps=2, loss_normalization="window", token_budget=48,
+                            max_grad_norm=0.0)  # the reference below takes the plain SGD step
+    window = collated[:2]  # the step's micro-batches, in the order trained (later ones were prefetched)
+    trained = [sum(int(s["completion_mask"][1:].sum()) for s in batch) for batch in window]
+    assert len(window) == 2 and trained[0] != trained[1]  # where stock's per-micro-batch weighting differs
+
+    assert_per_sequence_update(tree, saved_model, [s for batch in window for s in batch], lr)
+
+
+def test_rollouts_batcher_trains_an_oversize_sample_exactly(stand_in_kernel, saved_model, tmp_path, monkeypatch):
+    """tree_batcher='rollouts' with dfs: a sample longer than token_budget (which stock drops) trains
+    in a row of its own; with the window normalisation the step equals the per-sequence reference
+    over every sample it trained, the long one among them."""
+    rng = np.random.default_rng(5)
+    samples = forking_stream(11)
+    ids = samples[0].input_ids.tolist() + rng.integers(2, VOCAB, 40).tolist()  # 60+ tokens, budget 48
+    mask = np.zeros(len(ids), dtype=np.int64)
+    mask[20:] = 1
+    long = RolloutSample(prompt=[], completion=[], input_ids=np.asarray(ids), completion_mask=mask,
+                         old_log_probs=rng.normal(-4.6, 0.3, len(ids)).astype(np.float32), advantage=0.7,
+                         model_version=0, group_id=0, metrics={"reward": 1.0})
+    samples.insert(3, long)
+    collated = recorded_micro_batches(monkeypatch)
+    tree, logs = train_once(tmp_path, TreeAsyncGRPOTrainer, saved_model, "dfs", samples, gradient_accumulation_steps=2,
+                            loss_normalization="window", token_budget=48, tree_batcher="rollouts", max_grad_norm=0.0)
+    window = [s for batch in collated[:2] for s in batch]
+    assert any(len(s["input_ids"]) == len(ids) for s in window)
+    assert not logs[-1].get("batch/dropped_oversize_total")
+    assert_per_sequence_update(tree, saved_model, window, 0.5)

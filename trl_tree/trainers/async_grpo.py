@@ -37,12 +37,15 @@ TRIE_KWARGS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_
 
 #: how the policy loss's token sum is normalised
 LOSS_NORMALIZATIONS = ("micro_batch", "window")
+#: which batcher cuts the sample stream into micro-batches
+BATCHERS = ("trl", "rollouts")
 
 
 @dataclass
 class TreeAsyncGRPOConfig(AsyncGRPOConfig, TreeArguments):
     """``trl.experimental.async_grpo.AsyncGRPOConfig`` plus the tree fields of :class:`TreeArguments`.
-    Which samples form a micro-batch stays TRL's batcher's choice (``token_budget``)."""
+    Which samples form a micro-batch is TRL's batcher's choice (``token_budget``) unless
+    ``tree_batcher='rollouts'`` picks this package's."""
 
     loss_normalization: str = field(
         default="micro_batch",
@@ -52,11 +55,24 @@ class TreeAsyncGRPOConfig(AsyncGRPOConfig, TreeArguments):
                   "asks for): every token of the optimizer step weighs the same, the sum over the whole accumulation "
                   "window and all ranks divided by the window's trained tokens."},
     )
+    tree_batcher: str = field(
+        default="trl",
+        metadata={"help": "'trl' (default): TRL's TokenBudgetBatcher, sample by sample into the least-loaded row; "
+                  "samples over token_budget are dropped. 'rollouts' (opt-in, changes which samples share a "
+                  "micro-batch, never a token's weight): each rollout (group_id) kept whole on one rank, rollouts "
+                  "taken in arrival order and placed heaviest first by their trees' FLOPs; with tree_mode='dfs' a "
+                  "sample over token_budget trains in a row of its own instead of being dropped."},
+    )
 
     def __post_init__(self):
         self._check_tree_fields()
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
+        if self.tree_batcher not in BATCHERS:
+            raise ValueError(f"tree_batcher must be one of {BATCHERS}, got {self.tree_batcher!r}")
+        if self.tree_batcher == "rollouts" and self.token_budget is not None and self.token_budget <= 0:
+            raise ValueError("tree_batcher='rollouts' cuts the stream by token_budget; token_budget=0 (a fixed sample "
+                             "count per micro-batch) takes TRL's FixedCountBatcher: set a budget or tree_batcher='trl'")
         if self.tree_window == "accumulation":
             raise ValueError("tree_window='accumulation' places a synchronous generation batch's trees on ranks; the "
                              "async trainer's micro-batches come from TRL's batcher: leave it at 'auto'")
@@ -128,6 +144,23 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         rows = SFTRows.from_batch(batch, type(self).__name__)
         out = tree_fused_outputs(self, model, rows, batch["input_ids"].shape, batch["labels"], None, (), policy=True)
         return FusedCausalLMOutput(log_probs=row.to_packed(out.log_probs), entropy=row.to_packed(out.entropy))
+
+    def get_train_dataloader(self):
+        """Stock's dataloader; with ``tree_batcher='rollouts'`` its batcher is this package's
+        (``rollout_batcher.RolloutBatcher``)."""
+        if self.args.tree_batcher != "rollouts":
+            return super().get_train_dataloader()
+        from .rollout_batcher import RolloutBatcher, flop_cost
+
+        config = self.accelerator.unwrap_model(self.model).config
+        cost = flop_cost(config, bool(self.args.gradient_checkpointing))
+        keep = self.args.tree_mode == "dfs"
+
+        def batcher(dataset, num_processes, token_budget, metrics):
+            return RolloutBatcher(dataset, num_processes, token_budget, metrics, cost, keep_oversize=keep)
+
+        with mock.patch.object(stock_module, "TokenBudgetBatcher", batcher):
+            return super().get_train_dataloader()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The optimizer step's micro-batches; with ``loss_normalization='window'`` also their trained

@@ -24,11 +24,14 @@ import torch
 
 @dataclass(frozen=True)
 class TrieRow:
-    """One rank's packed row as sequences: ``sequences[l]`` is leaf ``l``'s root path; labelled
-    packed position ``labelled[i]`` is scored on leaf ``leaf[i]`` at prediction index ``depth[i]``
-    (``log p(sequences[l][depth + 1] | sequences[l][: depth + 1])``)."""
+    """One rank's packed row as sequences: leaf ``l``'s root path is ``tokens[starts[l] :
+    starts[l] + lengths[l]]`` (``sequences[l]``); labelled packed position ``labelled[i]`` is scored on
+    leaf ``leaf[i]`` at prediction index ``depth[i]`` (``log p(sequences[l][depth + 1] |
+    sequences[l][: depth + 1])``). The paths are kept end to end in one array, so that laying them
+    out costs no Python loop over tokens (this runs on every micro-batch, before its first kernel)."""
 
-    sequences: list[list[int]]
+    tokens: np.ndarray
+    lengths: np.ndarray
     labelled: np.ndarray
     leaf: np.ndarray
     depth: np.ndarray
@@ -74,22 +77,24 @@ class TrieRow:
             p = int(labelled[wrong[0]])
             raise ValueError(f"{who}: packed position {p} is trained to predict token {int(labels[p])}, which is not "
                              "the next token of its path")
-        return cls([ids[path].tolist() for path in paths], labelled, leaf, depth, n)
+        return cls(ids[flat], lengths, labelled, leaf, depth, n)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Each leaf's root path as a list of token ids."""
+        return [part.tolist() for part in np.split(self.tokens, np.cumsum(self.lengths)[:-1])]
 
     def padded_batch(self, pad_token_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The leaves as a right-padded batch with labels only where a packed position is scored
         (``labels[l, d + 1]``): what ``SFTRows.from_batch`` and TRL's fused head take."""
-        width = max(len(s) for s in self.sequences)
-        input_ids = torch.full((len(self.sequences), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for i, seq in enumerate(self.sequences):
-            input_ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-        labels = torch.full_like(input_ids, -100)
-        leaf, depth = torch.from_numpy(self.leaf), torch.from_numpy(self.depth)
-        labels[leaf, depth + 1] = input_ids[leaf, depth + 1]
-        return {name: t.to(device) for name, t in
-                (("input_ids", input_ids), ("attention_mask", mask), ("labels", labels))}
+        width = int(self.lengths.max())
+        mask = np.arange(width)[None, :] < self.lengths[:, None]
+        input_ids = np.full(mask.shape, pad_token_id, dtype=np.int64)
+        input_ids[mask] = self.tokens  # row-major order is the paths' order end to end
+        labels = np.full(mask.shape, -100, dtype=np.int64)
+        labels[self.leaf, self.depth + 1] = input_ids[self.leaf, self.depth + 1]
+        return {name: torch.from_numpy(t).to(device) for name, t in
+                (("input_ids", input_ids), ("attention_mask", mask.astype(np.int64)), ("labels", labels))}
 
     def to_packed(self, grid: torch.Tensor) -> torch.Tensor:
         """A ``(leaves, width - 1)`` per-prediction grid (the fused head's layout for the padded batch)
