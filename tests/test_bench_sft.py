@@ -46,3 +46,32 @@ def test_dpo_bench_modes_run_on_a_small_shape():
     assert results["tree"]["T_over_U"] > 2.5
     limit, total, unique = flop_limit(rows, config)
     assert total == 4 * 48 and unique == 40 + 4 * 8 and limit > 1.5
+
+
+def test_async_bench_modes_run_on_a_small_stream(monkeypatch):
+    """The async trainer benchmark's modes on a tiny config (an exact SDPA stand-in for stock's hub
+    kernel, as in test_async_grpo_trainer.py): on TRL's batcher every mode trains the same first
+    micro-batch (one loss); past the budget stock drops the long turns, the rollouts batcher with dfs
+    trains them."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import types
+
+    from test_async_grpo_trainer import exact_varlen
+    from trl.experimental.async_grpo import packing
+
+    from trl_tree.bench.async_grpo import run_mode as run_async
+    from trl_tree.bench.workloads import AsyncStream, _agent_rollouts
+
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=exact_varlen))
+    config = tiny_config("qwen2", vocab_size=64, max_position_embeddings=512)
+    samples = _agent_rollouts(np.random.default_rng(0), 64, 6, 8, 6, 2, 2, forks=2, fork_after=2)
+    stream = AsyncStream("small", "2 x 6 turns", samples, token_budget=28, fit_budget=40)
+    results = {mode: run_async(mode, stream, config, steps=3)
+               for mode in ("stock", "tree", "tree_dfs", "stock+fit", "tree_dfs+rollouts")}
+    same = [results[m]["first_loss"] for m in ("stock", "tree", "tree_dfs")]
+    assert max(same) - min(same) < 1e-5 * abs(same[0])
+    assert results["stock"]["dropped"] > 0 and results["stock+fit"]["dropped"] == 0
+    assert results["tree_dfs+rollouts"]["dropped"] == 0
+    assert results["tree"]["T_over_U"] > 1.2

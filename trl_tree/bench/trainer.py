@@ -4,6 +4,7 @@
     python -m trl_tree.bench.trainer --algo ppo --critic separate [--workload W4] [--lora]
     python -m trl_tree.bench.trainer --algo sft [--size 1.5b] [--shapes turns_2x8,...]   (bench/sft.py)
     python -m trl_tree.bench.trainer --algo dpo [--size 1.5b] [--shapes one_pair,...]    (bench/dpo.py)
+    python -m trl_tree.bench.trainer --algo async [--size 1.5b] [--shapes grpo,...]      (bench/async_grpo.py)
 
 Generation is replaced by a ``rollout_func`` returning random rollouts of the given shape (a group
 per step, no sampling cost), so what is timed is TRL's training step: the policy forward, TRL's
@@ -198,12 +199,14 @@ class BenchRollouts:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for algo in ("sft", "dpo"):  # the offline trainers' data shapes and modes are their own (bench/sft.py, dpo.py)
+    # the offline trainers' data shapes and modes are their own (bench/sft.py, dpo.py), as are the async
+    # trainer's streams (bench/async_grpo.py)
+    for algo, module in (("sft", "sft"), ("dpo", "dpo"), ("async", "async_grpo")):
         if _takes_algo(argv, algo):
             from importlib import import_module
 
             rest = [a for i, a in enumerate(argv) if not _is_algo_arg(argv, i)]
-            return import_module(f".{algo}", __package__).main(rest)
+            return import_module(f".{module}", __package__).main(rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grpo_shape_args(parser)
     parser.add_argument("--steps", type=int, default=5)
@@ -222,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-lengths", action="store_true",
                         help="completion lengths uniform in [completion/2, completion] (no two micro-batches share a "
                              "layout: packed+graphs then replays the graphs of padded layouts, attention/buckets.py)")
-    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo", "sft", "dpo"),
-                        help="sft, dpo: the offline trainers on their data shapes (options: --algo sft --help)")
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "ppo", "sft", "dpo", "async"),
+                        help="sft, dpo: the offline trainers on their data shapes (options: --algo sft --help); "
+                             "async: TreeAsyncGRPOTrainer on recorded sample streams")
     parser.add_argument("--critic", default="separate", choices=("separate", "shared", "adapter"))
     parser.add_argument("--workload", default="group", choices=("group", "W4"),
                         help="group: --group completions of one --prompt; W4: the suite's agentic tree")

@@ -219,3 +219,82 @@ def dpo_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
     if unknown:
         raise ValueError(f"unknown DPO shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
     return {name: (builders[name][0], builders[name][1]()) for name in chosen}
+
+
+# ---------------------------------------------------------------------- async GRPO sample streams
+@dataclass
+class AsyncStream:
+    """A recorded stream of scored rollout samples (``input_ids``, ``completion_mask``, ``group_id``,
+    ``advantage``) and the ``token_budget`` the trainer runs it at; ``fit_budget``: a budget over its
+    longest sample (what stock needs to drop none)."""
+
+    name: str
+    description: str
+    samples: list[dict]
+    token_budget: int
+    fit_budget: int | None = None
+
+
+def _agent_rollouts(rng, vocab: int, groups: int, system: int, turns: int, tool: int, answer: int,
+                    forks: int = 1, fork_after: int = 0) -> list[dict]:
+    """Per-turn samples of multi-turn agent rollouts: each group one system prompt, ``forks``
+    trajectories (the later ones forking from the first after ``fork_after`` turns); every turn a
+    tool output (not trained) and an answer (trained), one sample per turn holding its history, its
+    own answer trained (the history's were trained by earlier samples)."""
+    out = []
+    for g in range(groups):
+        head = rng.integers(2, vocab, system).tolist()
+        first: list[list[int]] = []
+        for f in range(forks):
+            ids = list(head)
+            for t in range(turns):
+                if f and t < fork_after:
+                    turn = first[t]
+                else:
+                    turn = rng.integers(2, vocab, tool + answer).tolist()
+                if f == 0:
+                    first.append(turn)
+                ids = ids + turn
+                if f and t < fork_after:
+                    continue  # the shared turns are the first trajectory's samples
+                mask = np.zeros(len(ids), np.int64)
+                mask[len(ids) - answer:] = 1
+                out.append({"input_ids": np.asarray(ids), "completion_mask": mask, "group_id": g,
+                            "advantage": float(rng.normal())})
+    return out
+
+
+def async_streams(vocab: int, names: tuple[str, ...] | None = None, groups: int = 8, seed: int = 0) -> list[AsyncStream]:
+    """The async GRPO benchmark's streams: GRPO groups (16 rollouts of free length behind a 2k
+    prompt), forking multi-turn agent rollouts (T/U about 9), and long agent rollouts whose later
+    turns exceed the budget (stock drops them)."""
+    rng = np.random.default_rng(seed)
+
+    def grpo():
+        out = []
+        for g in range(groups):
+            head = rng.integers(2, vocab, 2048).tolist()
+            for _ in range(16):
+                n = int(rng.integers(128, 513))
+                mask = np.zeros(2048 + n, np.int64)
+                mask[2048:] = 1
+                out.append({"input_ids": np.asarray(head + rng.integers(2, vocab, n).tolist()), "completion_mask": mask,
+                            "group_id": g, "advantage": float(rng.normal())})
+        return out
+
+    builders = {
+        "grpo": ("GRPO groups: 16 rollouts of 128-512 tokens behind one 2048-token prompt", grpo, 10240, None),
+        "agentic": ("agent rollouts, one sample per turn: 1k system prompt, 2 trajectories x 12 turns (tool 128 "
+                    "untrained, answer 128), the second forking after turn 4",
+                    lambda: _agent_rollouts(rng, vocab, groups, 1024, 12, 128, 128, forks=2, fork_after=4), 8192,
+                    None),
+        "agentic_long": ("long agent rollouts, one sample per turn: 2k system prompt, 28 turns (tool 256 untrained, "
+                         "answer 256); turns past the 12th exceed the 8k budget",
+                         lambda: _agent_rollouts(rng, vocab, groups, 2048, 28, 256, 256), 8192, 16384 + 512),
+    }
+    chosen = list(builders) if names is None else list(names)
+    unknown = set(chosen) - set(builders)
+    if unknown:
+        raise ValueError(f"unknown async streams {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    return [AsyncStream(name, builders[name][0], builders[name][1](), builders[name][2], builders[name][3])
+            for name in chosen]

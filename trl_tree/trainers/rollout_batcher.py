@@ -15,8 +15,9 @@ samples of one ``group_id``, which arrive together: TRL's worker enqueues a grou
   trained tokens through the head, visible keys through attention — as ``tree_window`` balances);
 * cuts a unit longer than the budget between its samples, in their order (neighbours share most);
 * gives a sample longer than the budget a row of its own where ``keep_oversize`` (the depth-first
-  walk bounds memory by a path, not by the row), and otherwise drops it as stock does, counted in
-  the same metric.
+  walk bounds memory by a path, not by the row), shared with the samples of its rollout that fit in
+  its length (a multi-turn rollout's earlier turns, its own prefixes), and otherwise drops it as
+  stock does, counted in the same metric.
 
 Only which samples share a row changes; each sample's loss terms are its own either way (with the
 trainer's ``loss_normalization="window"`` the update does not depend on the cut at all).
@@ -81,23 +82,25 @@ class RolloutBatcher(torch.utils.data.IterableDataset):
         # like stock's batcher, an ended stream's last partial micro-batch is not trained
 
     def _pieces(self, unit: list[Sample]) -> list[TreeRow]:
-        """``unit`` cut between samples into runs that fit the budget; an oversize sample alone (or dropped)."""
+        """``unit`` cut between samples, in their order, into runs that fit the budget. A sample over
+        the budget is dropped as stock drops it, or (``keep_oversize``) heads a piece whose budget is
+        its own length: the walk's memory is bounded by its longest path, and a rollout's earlier
+        turns (prefixes of it) add next to nothing to that piece."""
         pieces: list[TreeRow] = []
-        piece = TreeRow()
+        piece, longest = TreeRow(), 0
         for sample in unit:
             n = len(sample["input_ids"])
-            if n > self.token_budget:
-                if not self.keep_oversize:
-                    logger.warning(f"Dropping a rollout sample of {n} tokens that exceeds token_budget="
-                                   f"{self.token_budget}. Raise token_budget, or train it with tree_mode='dfs'.")
-                    self.metrics["batch/dropped_oversize_total"].append(1.0)
-                else:
-                    pieces.append(row_of([sample]))
+            if n > self.token_budget and not self.keep_oversize:
+                logger.warning(f"Dropping a rollout sample of {n} tokens that exceeds token_budget="
+                               f"{self.token_budget}. Raise token_budget, or train it with tree_mode='dfs' and "
+                               "tree_batcher='rollouts'.")
+                self.metrics["batch/dropped_oversize_total"].append(1.0)
                 continue
-            if piece.samples and not piece.fits(sample, self.token_budget):
+            if piece.samples and not piece.fits(sample, max(self.token_budget, longest, n)):
                 pieces.append(piece)
-                piece = TreeRow()
+                piece, longest = TreeRow(), 0
             piece.add(sample)
+            longest = max(longest, n)
         if piece.samples:
             pieces.append(piece)
         return pieces
@@ -139,7 +142,7 @@ class RolloutBatcher(torch.utils.data.IterableDataset):
         alone = [False for _ in ranks]
         for i in order:
             piece = pieces[i]
-            oversize = len(piece.tokens) > self.token_budget  # one sample, kept (keep_oversize)
+            oversize = len(piece.tokens) > self.token_budget  # headed by a sample kept over the budget
             fits = [r for r in ranks if not chosen[r]] if oversize else [
                 r for r in ranks if not alone[r] and tokens[r] + len(piece.tokens) <= self.token_budget
                 and trained[r] + piece.trained <= self.token_budget]
