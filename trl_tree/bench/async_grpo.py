@@ -26,6 +26,7 @@ TRL's batcher: the modes' losses agree to bf16).
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import queue
 import statistics
@@ -169,6 +170,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         times = _timed(trainer)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+            resident = torch.cuda.memory_allocated()
         trainer.train()
     finally:
         async_grpo_trainer.DataCollatorForRollout.torch_call = original
@@ -183,8 +185,10 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         "dropped": int(sum(h.get("batch/dropped_oversize_total") or 0 for h in logs)),
         "T_over_U": round(sum(b["T"] for b in timed) / max(sum(b["U"] for b in timed), 1), 3),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "resident_gib": round(resident / 2**30, 2) if cuda else None,  # at the start: weights (and leftovers)
         "first_loss": round(logs[0]["loss"], 5)}
     del trainer, model
+    gc.collect()  # the trainer holds reference cycles: free its model before the next mode's peak is measured
     if cuda:
         torch.cuda.empty_cache()
     return result

@@ -83,24 +83,31 @@ class RolloutBatcher(torch.utils.data.IterableDataset):
 
     def _pieces(self, unit: list[Sample]) -> list[TreeRow]:
         """``unit`` cut between samples, in their order, into runs that fit the budget. A sample over
-        the budget is dropped as stock drops it, or (``keep_oversize``) heads a piece whose budget is
-        its own length: the walk's memory is bounded by its longest path, and a rollout's earlier
-        turns (prefixes of it) add next to nothing to that piece."""
+        the budget is dropped as stock drops it, or (``keep_oversize``) raises its rollout's budget
+        to its own length: the walk's memory is bounded by its longest path, and the rollout's earlier
+        turns (prefixes of it) add next to nothing to the piece that holds it."""
         pieces: list[TreeRow] = []
-        piece, longest = TreeRow(), 0
+        if not self.keep_oversize:
+            kept = []
+            for sample in unit:
+                if len(sample["input_ids"]) > self.token_budget:
+                    logger.warning(f"Dropping a rollout sample of {len(sample['input_ids'])} tokens that exceeds "
+                                   f"token_budget={self.token_budget}. Raise token_budget, or train it with "
+                                   "tree_mode='dfs' and tree_batcher='rollouts'.")
+                    self.metrics["batch/dropped_oversize_total"].append(1.0)
+                else:
+                    kept.append(sample)
+            unit = kept
+        # over the budget, a piece may hold the rollout's longest sample, plus the one token per sample
+        # that TRL's trie adds where a sample ends inside another (it forks one token early)
+        longest = max((len(s["input_ids"]) for s in unit), default=0)
+        limit = self.token_budget if longest <= self.token_budget else longest + len(unit)
+        piece = TreeRow()
         for sample in unit:
-            n = len(sample["input_ids"])
-            if n > self.token_budget and not self.keep_oversize:
-                logger.warning(f"Dropping a rollout sample of {n} tokens that exceeds token_budget="
-                               f"{self.token_budget}. Raise token_budget, or train it with tree_mode='dfs' and "
-                               "tree_batcher='rollouts'.")
-                self.metrics["batch/dropped_oversize_total"].append(1.0)
-                continue
-            if piece.samples and not piece.fits(sample, max(self.token_budget, longest, n)):
+            if piece.samples and not piece.fits(sample, limit):
                 pieces.append(piece)
-                piece, longest = TreeRow(), 0
+                piece = TreeRow()
             piece.add(sample)
-            longest = max(longest, n)
         if piece.samples:
             pieces.append(piece)
         return pieces
