@@ -11,7 +11,9 @@ Each stream (``workloads.async_streams``) is fed to the async trainer through a 
   FlashAttention varlen (``aten._flash_attention_forward``, FA2) stands in for it, with its backward.
 * ``tree`` / ``tree_dfs``: the engine (packed; the depth-first walk), its own attention kernels
   (``tree_attn_backend="auto"``).
-* suffixes: ``+fit`` runs at the stream's ``fit_budget`` (over its longest sample) instead of its
+* suffixes: ``+compile`` sets ``tree_compile_layers`` (``torch.compile`` of every layer's
+  attention module, MLP and norms; with ``stock``: TRL's own step on the same compiled layers);
+  ``@BACKEND`` picks ``tree_attn_backend``; ``+fit`` runs at the stream's ``fit_budget`` (over its longest sample) instead of its
   ``token_budget``; ``+rollouts`` takes this package's batcher (``tree_batcher="rollouts"``; with
   dfs, samples over the budget train in rows of their own instead of being dropped).
 
@@ -135,11 +137,14 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
 
     from ..trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
+    mode, _, backend = mode.partition("@")  # tree@torch_flash: tree_attn_backend
     base, *suffixes = mode.split("+")
     budget = stream.fit_budget if "fit" in suffixes else stream.token_budget
     if budget is None:
         raise ValueError(f"{mode}: stream {stream.name} has no fit_budget")
     cuda = torch.cuda.is_available()
+    gc.collect()
+    leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier modes left: not this mode's
     torch.manual_seed(0)
     with torch.device("cuda" if cuda else "cpu"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16 if cuda else torch.float32,
@@ -149,7 +154,8 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         gradient_checkpointing=True, per_device_train_batch_size=16, gradient_accumulation_steps=1,
         token_budget=budget, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
         max_staleness=10**6, tree_mode={"stock": "off", "tree": "packed", "tree_dfs": "dfs"}[base],
-        tree_batcher="rollouts" if "rollouts" in suffixes else "trl")
+        tree_batcher="rollouts" if "rollouts" in suffixes else "trl", tree_compile_layers="compile" in suffixes,
+        tree_attn_backend=backend or "auto")
     # what each micro-batch holds, recorded where TRL's collator receives it (in training order)
     held: list[dict] = []
     original = async_grpo_trainer.DataCollatorForRollout.torch_call
@@ -170,7 +176,6 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         times = _timed(trainer)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-            resident = torch.cuda.memory_allocated()
         trainer.train()
     finally:
         async_grpo_trainer.DataCollatorForRollout.torch_call = original
@@ -184,8 +189,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         "samples_trained": sum(b["samples"] for b in held[: len(times)]),
         "dropped": int(sum(h.get("batch/dropped_oversize_total") or 0 for h in logs)),
         "T_over_U": round(sum(b["T"] for b in timed) / max(sum(b["U"] for b in timed), 1), 3),
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "resident_gib": round(resident / 2**30, 2) if cuda else None,  # at the start: weights (and leftovers)
+        "peak_gib": round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2) if cuda else None,
         "first_loss": round(logs[0]["loss"], 5)}
     del trainer, model
     gc.collect()  # the trainer holds reference cycles: free its model before the next mode's peak is measured
@@ -239,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[mode] = run_mode(mode, stream, config, args.steps)
             except torch.OutOfMemoryError:
                 row[mode] = {"error": "out of memory"}
+                torch.cuda.empty_cache()
+            except Exception as err:  # one mode's failure is recorded, the others still run
+                row[mode] = {"error": f"{type(err).__name__}: {err}"[:500]}
                 torch.cuda.empty_cache()
             print(stream.name, mode, row[mode], flush=True)
         stock = row.get("stock", {}).get("tokens_per_s")
