@@ -225,14 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = offline_bench_parser("async", MODES, __doc__, modes_help=" (default per stream; the long stream: "
                                   f"{','.join(LONG_MODES)})")
     parser.set_defaults(modes=None)
-    parser.add_argument("--groups", type=int, default=8, help="rollout groups per stream")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="rollout groups per stream (default: --steps + 4, what the longest stream needs with "
+                             "one group per step and the dataloader's prefetch)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the async trainer benchmark times a GPU")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     install_stand_in()
     config = shaped_config(args.size)
-    streams = async_streams(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None, args.groups)
+    groups = args.groups or args.steps + 4
+    streams = async_streams(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None, groups)
     results = {}
     for stream in streams:
         row = {"description": stream.description, "samples": len(stream.samples), "token_budget": stream.token_budget,
