@@ -3,7 +3,8 @@
 SFT and DPO (``main_sft``, ``main_dpo``): stock SFTTrainer, TreeSFTTrainer packed and dfs (its engine backward averages
 the gradients by hand) and with ``tree_shuffle='groups'`` (the sampler under Accelerate's batch
 sharding), per-turn samples, gradient accumulation; stock DPOTrainer and TreeDPOTrainer packed;
-each rank's final parameters are written.
+each rank's final parameters are written. The async GRPO trainer likewise (``main_async``): stock,
+packed and dfs on one recorded stream.
 
 Last, accumulation windows placing whole trees on ranks (``main_windows``): GRPO and PPO, packed
 and dfs, on fixed rollouts whose prompt groups straddle the two processes; the test runs the same
@@ -211,7 +212,8 @@ def main_sft(out_dir: str) -> None:
 
 
 def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
-    """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward) on two ranks."""
+    """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward; dfs: past DDP's
+    forward, the gradients averaged by hand) on two ranks."""
     from test_dpo_trainer import pairs
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
@@ -219,10 +221,12 @@ def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
     from sft_harness import sft_tokenizer
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
 
-    for run, (trainer_cls, config_cls) in {"dpo_stock": (DPOTrainer, DPOConfig),
-                                           "dpo_packed": (TreeDPOTrainer, TreeDPOConfig)}.items():
+    for run, (trainer_cls, config_cls, tree) in {"dpo_stock": (DPOTrainer, DPOConfig, {}),
+                                                 "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
+                                                 "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs"})}.items():
         model, ref = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) for _ in range(2))
-        args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2})
+        args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2},
+                          **tree)
         trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=pairs(8),
                               processing_class=sft_tokenizer())
         trainer.train()
@@ -230,8 +234,48 @@ def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
+def main_async(out_dir: str) -> None:
+    """Stock AsyncGRPOTrainer and TreeAsyncGRPOTrainer (packed: inside DDP's forward; dfs: past it,
+    the gradients averaged by hand) on two ranks: the same recorded stream, TRL's batcher placing
+    one row per rank, two accumulated micro-batches; stock's hub kernel replaced by the exact SDPA
+    stand-in of test_async_grpo_trainer.py."""
+    import types
+
+    from accelerate import PartialState
+    from datasets import Dataset
+    from test_async_grpo_trainer import VOCAB, ReadingTransfer, StubWorker, exact_varlen, forking_stream
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
+
+    from trl_tree.bench.common import bench_tokenizer
+    from trl_tree.tiny import tiny_model
+    from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=exact_varlen)
+    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None  # a CUDA lookup
+    state = PartialState(cpu=True)
+    checkpoint = os.path.join(out_dir, "async_tiny")
+    if state.is_main_process:
+        tiny_model("qwen2", vocab_size=VOCAB).save_pretrained(checkpoint)
+    state.wait_for_everyone()
+    common = dict(max_steps=1, learning_rate=0.5, optim="sgd", per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, token_budget=48, report_to="none", save_strategy="no",
+                  logging_steps=1, use_cpu=True, bf16=False, max_staleness=8, disable_tqdm=True)
+    runs = {"async_stock": (AsyncGRPOTrainer, AsyncGRPOConfig, {}),
+            "async_packed": (TreeAsyncGRPOTrainer, TreeAsyncGRPOConfig, {"tree_mode": "packed"}),
+            "async_dfs": (TreeAsyncGRPOTrainer, TreeAsyncGRPOConfig, {"tree_mode": "dfs"})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
+        args = config_cls(output_dir=os.path.join(out_dir, run), **common, **tree)
+        trainer = trainer_cls(checkpoint, args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
+                              processing_class=bench_tokenizer(VOCAB), rollout_worker=StubWorker(forking_stream(3)),
+                              weight_transfer=ReadingTransfer())
+        trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
+
+
 if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)
     main_sft(sys.argv[2])
+    main_async(sys.argv[2])
     main(sys.argv[1], sys.argv[2])
     main_ppo(sys.argv[1], sys.argv[2])
     main_windows(sys.argv[1], sys.argv[2])

@@ -49,15 +49,36 @@ def test_sft_two_processes_agree_and_the_tree_equals_stock(launched):
 
 
 def test_dpo_two_processes_agree_and_the_tree_equals_stock(launched):
-    """TreeDPOTrainer under DDP (the tree inside DDP's forward): stock DPOTrainer's update on both ranks."""
-    runs = {(m, r): torch.load(launched / f"dpo_{m}_rank{r}.pt") for m in ("stock", "packed") for r in (0, 1)}
-    for mode in ("stock", "packed"):
+    """TreeDPOTrainer under DDP (packed: the tree inside DDP's forward; dfs: past it, the gradients
+    averaged by hand): stock DPOTrainer's update on both ranks."""
+    modes = ("stock", "packed", "dfs")
+    runs = {(m, r): torch.load(launched / f"dpo_{m}_rank{r}.pt") for m in modes for r in (0, 1)}
+    for mode in modes:
         for name, p in runs[(mode, 0)].items():
             assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
-    for name, p in runs[("stock", 0)].items():
-        q = runs[("packed", 0)][name]
-        # the fused head computes in fp32 inside either way: the updates agree to ~1e-7 of their size
-        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), f"packed differs from stock on {name}"
+    for mode in ("packed", "dfs"):
+        for name, p in runs[("stock", 0)].items():
+            q = runs[(mode, 0)][name]
+            # the fused head computes in fp32 inside either way: the updates agree to ~1e-7 of their size
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), f"{mode} differs from stock on {name}"
+
+
+def test_async_two_processes_agree_and_the_tree_equals_stock(launched):
+    """TreeAsyncGRPOTrainer under DDP, packed and dfs: stock AsyncGRPOTrainer's update on both ranks
+    (fp32; the same stream, TRL's batcher dealing one row per rank)."""
+    modes = ("stock", "packed", "dfs")
+    runs = {(m, r): torch.load(launched / f"async_{m}_rank{r}.pt") for m in modes for r in (0, 1)}
+    for mode in modes:
+        for name, p in runs[(mode, 0)].items():
+            assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
+    from transformers import AutoModelForCausalLM
+
+    before = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(launched / "async_tiny").named_parameters()}
+    assert max(float((p - before[n]).abs().max()) for n, p in runs[("stock", 0)].items()) > 1e-4  # it trained
+    for mode in ("packed", "dfs"):
+        for name, p in runs[("stock", 0)].items():
+            q = runs[(mode, 0)][name]
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), f"{mode} differs from stock on {name}"
 
 
 def test_two_processes_agree_and_dfs_and_graphs_equal_packed(launched):

@@ -170,7 +170,7 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
         if self.args.loss_normalization != "window":
             return loss
         # stock divided the micro-batch's sum by max(N_mb / W, 1) and by the accumulation steps; the
@@ -183,14 +183,11 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
 
     def _check_trainer_support(self) -> None:
         args = self.args
-        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         self._refuse({
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (not verified with the async trainer yet)": bool(args.tree_cuda_graphs),
             "FSDP (not verified with the async trainer yet)": self._sharded(),
-            "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
-            "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
         })
 
 

@@ -66,15 +66,15 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         self._install_tree_heads()
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
+
     def _check_trainer_support(self) -> None:
         args = self.args
-        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
         refusals = {
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (DPO's metrics need the head's argmax and mean logit, which a replayed graph does "
             "not compute)": bool(args.tree_cuda_graphs),
-            "tree_mode='dfs' or tree_token_budget with several processes (their backward runs outside the "
-            "distributed wrapper's forward; use tree_mode='packed')": two_pass and self.accelerator.num_processes > 1,
         }
         self._refuse(refusals)

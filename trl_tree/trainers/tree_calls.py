@@ -112,6 +112,19 @@ class TreeCallsMixin:
         (parameters gathered once per walk, one reduce per optimizer step)."""
         return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
 
+    def _past_ddp(self, model):
+        """The model a stock loss calls for the policy's fused head: with the two-pass backward (dfs,
+        ``tree_token_budget``) under DDP, the unwrapped one. Run through DDP's forward, its reducer
+        would wait for one gradient per parameter, which the engine's walk delivers many times over;
+        past it, the engine's backward averages the gradients itself (``_sync_gradients``), as the
+        SFT and GRPO trainers' calls, which never enter DDP's forward, always have."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        two_pass = self.args.tree_mode == "dfs" or self.args.tree_token_budget is not None
+        if two_pass and isinstance(model, DistributedDataParallel):
+            return self.accelerator.unwrap_model(model)
+        return model
+
     def _wrapper_name(self) -> str:
         kind = self.accelerator.distributed_type.value
         return "FSDP1 (fsdp_version: 1)" if kind == "FSDP" else kind
