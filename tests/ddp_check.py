@@ -179,13 +179,12 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
 
 
 def main_sft(out_dir: str) -> None:
+    from accelerate import PartialState
     from sft_harness import dataset, save_sft_checkpoint, sft_tokenizer
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     from trl_tree import TreeSFTConfig, TreeSFTTrainer
-
-    from accelerate import PartialState
 
     state = PartialState(cpu=True)
     checkpoint = os.path.join(out_dir, "sft_tiny")
@@ -214,16 +213,16 @@ def main_sft(out_dir: str) -> None:
 def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
     """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward; dfs: past DDP's
     forward, the gradients averaged by hand) on two ranks."""
+    from sft_harness import sft_tokenizer
     from test_dpo_trainer import pairs
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    from sft_harness import sft_tokenizer
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
 
-    for run, (trainer_cls, config_cls, tree) in {"dpo_stock": (DPOTrainer, DPOConfig, {}),
-                                                 "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
-                                                 "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs"})}.items():
+    runs = {"dpo_stock": (DPOTrainer, DPOConfig, {}), "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
+            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs"})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
         model, ref = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) for _ in range(2))
         args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2},
                           **tree)

@@ -66,8 +66,73 @@ def main(checkpoint: str, out_dir: str) -> None:
                                    tag=f"fsdp-bf16{'-' + tag if tag else ''}", dtype=torch.float32, bf16=True, **extra)
 
 
+def full_parameters(model) -> dict:
+    """Every parameter whole (``full_tensor`` gathers a sharded one: a collective every rank makes)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def main_offline(out_dir: str) -> None:
+    """DPO and async GRPO under FSDP2 (float64): stock, packed, dfs on the runs of ddp_check's
+    ``main_dpo`` / ``main_async``; each rank's full parameters are written."""
+    import types
+
+    from accelerate import PartialState
+    from datasets import Dataset
+    from sft_harness import save_sft_checkpoint, sft_tokenizer
+    from test_async_grpo_trainer import VOCAB, ReadingTransfer, StubWorker, exact_varlen, forking_stream
+    from test_dpo_trainer import pairs
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
+
+    from trl_tree import TreeDPOConfig, TreeDPOTrainer
+    from trl_tree.bench.common import bench_tokenizer
+    from trl_tree.bench.trainer import launcher_precision
+    from trl_tree.tiny import tiny_model
+    from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+
+    state = PartialState()
+    dpo_checkpoint, async_checkpoint = os.path.join(out_dir, "dpo_tiny"), os.path.join(out_dir, "async_tiny")
+    if state.is_main_process:
+        save_sft_checkpoint(dpo_checkpoint)
+        tiny_model("qwen2", vocab_size=VOCAB).save_pretrained(async_checkpoint)
+    state.wait_for_everyone()
+    common = dict(learning_rate=0.5, optim="sgd", max_steps=1, use_cpu=True, bf16=False, report_to="none",
+                  save_strategy="no", seed=0, disable_tqdm=True, gradient_accumulation_steps=2)
+    for mode in ("off", "packed", "dfs"):
+        trainer_cls, config_cls = (DPOTrainer, DPOConfig) if mode == "off" else (TreeDPOTrainer, TreeDPOConfig)
+        with launcher_precision("no"):  # fsdp2.yaml says bf16; the arguments take it: these runs are float64
+            args = config_cls(output_dir=os.path.join(out_dir, f"dpo-{mode}"), per_device_train_batch_size=2, **common,
+                              model_init_kwargs={"dtype": torch.float64},
+                              **({} if mode == "off" else {"tree_mode": mode}))
+            trainer = trainer_cls(model=dpo_checkpoint, args=args, train_dataset=pairs(8),
+                                  processing_class=sft_tokenizer())
+            trainer.train()
+        torch.save({"params": full_parameters(trainer.model),
+                    "distributed_type": trainer.accelerator.distributed_type.value},
+                   os.path.join(out_dir, f"fsdp-dpo-{mode}_rank{state.process_index}.pt"))
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=exact_varlen)
+    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None  # a CUDA lookup
+    for mode in ("off", "packed", "dfs"):
+        trainer_cls, config_cls = ((AsyncGRPOTrainer, AsyncGRPOConfig) if mode == "off"
+                                   else (TreeAsyncGRPOTrainer, TreeAsyncGRPOConfig))
+        with launcher_precision("no"):
+            args = config_cls(output_dir=os.path.join(out_dir, f"async-{mode}"), per_device_train_batch_size=4,
+                              token_budget=48, logging_steps=1, max_staleness=8,
+                              model_init_kwargs={"dtype": torch.float64}, **common,
+                              **({} if mode == "off" else {"tree_mode": mode}))
+            trainer = trainer_cls(async_checkpoint, args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
+                                  processing_class=bench_tokenizer(VOCAB), rollout_worker=StubWorker(forking_stream(3)),
+                                  weight_transfer=ReadingTransfer())
+            trainer.train()
+        torch.save({"params": full_parameters(trainer.model),
+                    "distributed_type": trainer.accelerator.distributed_type.value},
+                   os.path.join(out_dir, f"fsdp-async-{mode}_rank{state.process_index}.pt"))
+
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    main_offline(sys.argv[2])
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads can abort an orderly interpreter exit ("terminate called ..."); all is saved

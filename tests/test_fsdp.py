@@ -59,7 +59,9 @@ def test_trainer_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
     """Accelerate's FSDP2 (per-layer and root ``fully_shard``, its bf16 policy and autocast) around
     TreeGRPOTrainer: packed, packed under a token budget, dfs, and windows in both modes; groups
     straddle the two processes. The ranks agree; the update equals one unwrapped process's (float64)
-    to 1e-5; under bf16 its error against that is at most 1.5x stock TRL's under the same FSDP2."""
+    to 1e-5; under bf16 its error against that is at most 1.5x stock TRL's under the same FSDP2.
+    Then TreeDPOTrainer and TreeAsyncGRPOTrainer, packed and dfs, against stock DPOTrainer and
+    AsyncGRPOTrainer under the same FSDP2 (float64, 1e-5)."""
     import ddp_check
     import fsdp_trainer_check
     from safetensors.torch import load_file
@@ -97,3 +99,18 @@ def test_trainer_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
             assert error(run["params"]) <= bound, f"{precision} {mode}/{window}/{tag}: {error(run['params']):.2e}"
             if tag == "budget":
                 assert max(run["metrics"]["tree/calls"]) > 1, "the token budget cut nothing"
+    # DPO and async GRPO under the same FSDP2 (float64): packed and dfs give stock's FSDP2 update
+    for algo, checkpoint_dir in (("dpo", "dpo_tiny"), ("async", "async_tiny")):
+        start = load_file(os.path.join(tmp_path, checkpoint_dir, "model.safetensors"))
+        runs = {(m, r): torch.load(tmp_path / f"fsdp-{algo}-{m}_rank{r}.pt") for m in ("off", "packed", "dfs")
+                for r in (0, 1)}
+        stock = runs[("off", 0)]["params"]
+        assert runs[("off", 0)]["distributed_type"] == "FSDP"
+        for mode in ("packed", "dfs"):
+            got = runs[(mode, 0)]["params"]
+            for name, p in got.items():
+                assert torch.equal(p, runs[(mode, 1)]["params"][name]), f"{algo} {mode}: ranks disagree on {name}"
+            for name, p in stock.items():
+                want = p.double() - start[name].double()
+                err = float((got[name].double() - start[name].double() - want).norm() / want.norm().clamp(min=1e-30))
+                assert err < 1e-5, f"{algo} {mode} under FSDP2: {name}'s update differs from stock's by {err:.2e}"

@@ -13,9 +13,10 @@ Each stream (``workloads.async_streams``) is fed to the async trainer through a 
   (``tree_attn_backend="auto"``).
 * suffixes: ``+compile`` sets ``tree_compile_layers`` (``torch.compile`` of every layer's
   attention module, MLP and norms; with ``stock``: TRL's own step on the same compiled layers);
-  ``@BACKEND`` picks ``tree_attn_backend``; ``+fit`` runs at the stream's ``fit_budget`` (over its longest sample) instead of its
-  ``token_budget``; ``+rollouts`` takes this package's batcher (``tree_batcher="rollouts"``; with
-  dfs, samples over the budget train in rows of their own instead of being dropped).
+  ``@BACKEND`` picks ``tree_attn_backend``; ``+fit`` runs at the stream's ``fit_budget`` (over its
+  longest sample) instead of its ``token_budget``; ``+rollouts`` takes this package's batcher
+  (``tree_batcher="rollouts"``; with dfs, samples over the budget train in rows of their own
+  instead of being dropped).
 
 With TRL's batcher (no ``+rollouts``) every mode trains the same micro-batches. Timed: each
 ``training_step`` (forward, loss, backward; no optimizer), CUDA-synchronised, over the optimizer

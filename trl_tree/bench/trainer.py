@@ -51,7 +51,6 @@ from transformers import TrainerCallback
 from ..dfs.graphs import unit_graph_stats
 from .common import add_grpo_shape_args, add_kernels_arg, bench_tokenizer, dump, environment
 
-
 #: what ``--update-check`` runs and compares (recorded with its results)
 PRECISION_CHECKED = "fp32 weights under bf16 autocast (mixed precision; +fp32 modes: fp32 throughout)"
 UPDATE_CHECKED = ("one optimizer step, no clipping; update_rel_err = ||g - g_ref|| / ||g_ref|| over all parameters, "

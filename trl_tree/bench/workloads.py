@@ -264,7 +264,8 @@ def _agent_rollouts(rng, vocab: int, groups: int, system: int, turns: int, tool:
     return out
 
 
-def async_streams(vocab: int, names: tuple[str, ...] | None = None, groups: int = 8, seed: int = 0) -> list[AsyncStream]:
+def async_streams(vocab: int, names: tuple[str, ...] | None = None, groups: int = 8,
+                  seed: int = 0) -> list[AsyncStream]:
     """The async GRPO benchmark's streams: GRPO groups (16 rollouts of free length behind a 2k
     prompt), forking multi-turn agent rollouts (T/U about 9), and long agent rollouts whose later
     turns exceed the budget (stock drops them)."""

@@ -67,7 +67,8 @@ class TreeAsyncGRPOConfig(AsyncGRPOConfig, TreeArguments):
     def __post_init__(self):
         self._check_tree_fields()
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got "
+                             f"{self.loss_normalization!r}")
         if self.tree_batcher not in BATCHERS:
             raise ValueError(f"tree_batcher must be one of {BATCHERS}, got {self.tree_batcher!r}")
         if self.tree_batcher == "rollouts" and self.token_budget is not None and self.token_budget <= 0:
@@ -181,13 +182,18 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         return loss * (per_rank * self.current_gradient_accumulation_steps * world
                        / max(self._tree_window_tokens, 1.0))
 
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._reduce_pending(model)
+        return loss
+
     def _check_trainer_support(self) -> None:
         args = self.args
         self._refuse({
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (not verified with the async trainer yet)": bool(args.tree_cuda_graphs),
-            "FSDP (not verified with the async trainer yet)": self._sharded(),
+            "FSDP1 or DeepSpeed (TRL's async trainer runs under FSDP2 only)": self._sharded() and not self._fsdp2(),
         })
 
 

@@ -69,6 +69,11 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._reduce_pending(model)
+        return loss
+
     def _check_trainer_support(self) -> None:
         args = self.args
         refusals = {

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from ..forest import PrefixForest
-from ..fsdp import reduce_gradients
 from ..model_parts import model_parts, trainable_parameters
 from .bridge import bridge
 from .exchange import RankExchange
@@ -257,9 +256,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._close_window(model)
-        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
-            self._tree_fsdp_pending = False
-            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
+        self._reduce_pending(model)
         self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False

@@ -14,7 +14,6 @@ import logging
 import torch
 from trl import SFTTrainer
 
-from ..fsdp import reduce_gradients
 from .config import TreeSFTConfig, as_tree_config
 from .sft_rows import SFTRows
 from .tree_calls import TreeCallsMixin
@@ -128,9 +127,7 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
-            self._tree_fsdp_pending = False
-            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
+        self._reduce_pending(model)
         return loss
 
     def _get_train_sampler(self, train_dataset=None):

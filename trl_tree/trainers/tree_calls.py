@@ -21,7 +21,7 @@ from ..attention.support import attention_refusal
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
-from ..fsdp import gathered, root_unsharded
+from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from ..packed import takes_padded_path
 from .bridge import bridge
@@ -331,6 +331,14 @@ class TreeCallsMixin:
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
         average_gradients(trainable_parameters(model), self.accelerator.num_processes)
+
+    def _reduce_pending(self, model) -> None:
+        """At an optimizer step's last micro-step under FSDP2: the one reduction of the gradients the
+        engine's own backward accumulated unreduced (``_sync_gradients``); a no-op otherwise. Each
+        trainer's ``training_step`` calls it after stock's."""
+        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
+            self._tree_fsdp_pending = False
+            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
 
     def _log_forests(self, forests: list[PrefixForest], router: bool = False) -> None:
         """The step's sharing (``tree/dedup_ratio`` = T/U), its calls, and how many of them ran as
