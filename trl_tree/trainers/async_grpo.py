@@ -192,7 +192,8 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         self._refuse({
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
-            "tree_cuda_graphs (not verified with the async trainer yet)": bool(args.tree_cuda_graphs),
+            "tree_cuda_graphs (not verified with the async trainer; a stream's micro-batch layouts rarely repeat, so "
+            "they would seldom replay)": bool(args.tree_cuda_graphs),
             "FSDP1 or DeepSpeed (TRL's async trainer runs under FSDP2 only)": self._sharded() and not self._fsdp2(),
         })
 
