@@ -48,6 +48,23 @@ def test_dpo_bench_modes_run_on_a_small_shape():
     assert total == 4 * 48 and unique == 40 + 4 * 8 and limit > 1.5
 
 
+def test_dpo_bench_groups_mode_gathers_a_prompts_pairs():
+    """The DPO bench's dataset shape: with tree_shuffle='groups' a micro-batch holds one prompt's
+    pairs (more shared), in TRL's order they are scattered."""
+    from trl_tree.bench.dpo import run_mode as run_dpo
+
+    config = tiny_config("qwen2", vocab_size=64, max_position_embeddings=512)
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(4):
+        head = rng.integers(1, 64, 30).tolist()
+        rows += [{"prompt_ids": head, "chosen_ids": rng.integers(1, 64, 6).tolist(),
+                  "rejected_ids": rng.integers(1, 64, 6).tolist()} for _ in range(4)]
+    scattered = run_dpo("tree", rows, config, steps=4, micro_batch=4)
+    grouped = run_dpo("tree+groups", rows, config, steps=4, micro_batch=4)
+    assert grouped["T_over_U"] > scattered["T_over_U"] + 1.0
+
+
 def test_async_bench_modes_run_on_a_small_stream(monkeypatch):
     """The async trainer benchmark's modes on a tiny config (an exact SDPA stand-in for stock's hub
     kernel, as in test_async_grpo_trainer.py): on TRL's batcher every mode trains the same first

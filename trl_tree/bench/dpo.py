@@ -2,7 +2,9 @@
 
     python -m trl_tree.bench.trainer --algo dpo [--size 1.5b] [--shapes one_pair,four_pairs,short_prompt]
 
-Each DPO shape (``workloads.dpo_shapes``) is one micro-batch of pairs, trained by stock
+Each DPO shape (``workloads.dpo_shapes``) is one micro-batch of pairs (``four_pairs_dataset``: a
+dataset of four micro-batches, trained in TRL's order and with ``tree_shuffle="groups"``, mode
+``tree+groups``), trained by stock
 ``DPOTrainer`` (its padded batch of chosen and rejected rows, sdpa) and by ``TreeDPOTrainer``
 (packed, dfs): the training step without the optimizer (``Trainer.training_step``: the reference's
 forward, the policy's forward, loss and backward), CUDA-synchronised, median after the first step;
@@ -21,6 +23,10 @@ import torch
 from .common import bench_tokenizer, dump, environment, offline_bench_parser, train_and_time
 
 MODES = ("tree", "stock", "tree_dfs")
+#: shapes that are a dataset of several micro-batches (pairs per micro-batch), and their modes: the
+#: tree in TRL's order and with ``tree_shuffle="groups"``
+MICRO_BATCH = {"four_pairs_dataset": 8}
+DATASET_MODES = ("tree", "tree+groups", "stock")
 
 
 def flop_limit(rows: list[dict], config) -> tuple[float, int, int]:
@@ -41,7 +47,7 @@ def flop_limit(rows: list[dict], config) -> tuple[float, int, int]:
     return total[0] / total[1], forest.num_tokens, forest.num_unique_tokens
 
 
-def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
+def run_mode(mode: str, rows: list[dict], config, steps: int, micro_batch: int | None = None) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
@@ -55,13 +61,16 @@ def run_mode(mode: str, rows: list[dict], config, steps: int) -> dict:
                                                        attn_implementation="sdpa") for _ in range(2))
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,
                   use_cpu=not cuda, gradient_checkpointing=True, logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, max_length=None, per_device_train_batch_size=len(rows))
+                  save_strategy="no", disable_tqdm=True, max_length=None,
+                  per_device_train_batch_size=micro_batch or len(rows))
     # DPOTrainer tokenises its dataset: the ids as words of the bench tokenizer (one word per id), each
     # text ending in a space (TRL joins prompt and answer, and answer and EOS, without one)
     data = Dataset.from_list([{key: "".join(f"t{i} " for i in r[f"{key}_ids"]) for key in ("prompt", "chosen",
                                                                                           "rejected")} for r in rows])
+    mode, _, shuffle = mode.partition("+")  # tree+groups: tree_shuffle="groups"
     if mode.startswith("tree"):
-        args = TreeDPOConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed")
+        args = TreeDPOConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed",
+                             tree_shuffle="groups" if shuffle == "groups" else "rows")
         trainer = TreeDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
                                  processing_class=bench_tokenizer(config.vocab_size))
     else:
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..tiny import shaped_config
     from .workloads import dpo_shapes
 
-    parser = offline_bench_parser("dpo", MODES, __doc__)
+    parser = offline_bench_parser("dpo", MODES, __doc__, modes_help=f" (default; a dataset shape: {DATASET_MODES})")
+    parser.set_defaults(modes=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the DPO trainer benchmark times a GPU")
@@ -98,20 +108,29 @@ def main(argv: list[str] | None = None) -> int:
     shapes = dpo_shapes(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None)
     results = {}
     for name, (description, rows) in shapes.items():
-        limit, total, unique = flop_limit(rows, config)
-        row = {"description": description, "pairs": len(rows), "T": total, "U": unique,
-               "T_over_U": round(total / unique, 3), "flop_limit": round(limit, 3)}
-        for mode in args.modes.split(","):
+        micro_batch = MICRO_BATCH.get(name)
+        if micro_batch is None:
+            limit, total, unique = flop_limit(rows, config)
+            row = {"description": description, "pairs": len(rows), "T": total, "U": unique,
+                   "T_over_U": round(total / unique, 3), "flop_limit": round(limit, 3)}
+        else:  # the sharing depends on which pairs meet: T/U as the tree logged it, per mode
+            limit, row = None, {"description": description, "pairs": len(rows), "micro_batch": micro_batch}
+        modes = args.modes.split(",") if args.modes else (DATASET_MODES if micro_batch else MODES)
+        for mode in modes:
             try:
-                row[mode] = run_mode(mode, rows, config, args.steps)
+                row[mode] = run_mode(mode, rows, config, args.steps, micro_batch)
             except torch.OutOfMemoryError:
                 row[mode] = {"error": "out of memory"}
                 torch.cuda.empty_cache()
             print(name, mode, row[mode], flush=True)
-        tree, stock = row.get("tree", {}).get("step_ms"), row.get("stock", {}).get("step_ms")
-        if tree and stock:
-            row["speedup"] = round(stock / tree, 3)
-            row["speedup_per_limit"] = round(stock / tree / limit, 3)
+        stock = row.get("stock", {}).get("step_ms")
+        for mode in modes:
+            tree = row[mode].get("step_ms") if mode != "stock" else None
+            if tree and stock and mode == "tree" and limit:
+                row["speedup"] = round(stock / tree, 3)
+                row["speedup_per_limit"] = round(stock / tree / limit, 3)
+            elif tree and stock:
+                row[mode]["speedup"] = round(stock / tree, 3)
         results[name] = row
     print(results)
     dump(args.out, {"environment": environment(), "workload": {

@@ -213,6 +213,10 @@ def dpo_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
         "one_pair": ("8 prompts of 2048 tokens, one pair each, answers of 256", lambda: batch(8, 1, 2048, 256)),
         "four_pairs": ("2 prompts of 2048 tokens, 4 pairs each, answers of 256", lambda: batch(2, 4, 2048, 256)),
         "short_prompt": ("8 prompts of 256 tokens, one pair each, answers of 512", lambda: batch(8, 1, 256, 512)),
+        # a dataset, not one micro-batch: TRL's random order scatters a prompt's pairs over the epoch's
+        # micro-batches of 8; tree_shuffle="groups" gathers them (bench/dpo.py, MICRO_BATCH)
+        "four_pairs_dataset": ("8 prompts of 2048 tokens, 4 pairs each (32 pairs), answers of 256, micro-batches "
+                               "of 8 pairs", lambda: batch(8, 4, 2048, 256)),
     }
     chosen = list(builders) if names is None else list(names)
     unknown = set(chosen) - set(builders)
