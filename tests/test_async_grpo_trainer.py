@@ -10,7 +10,6 @@ vLLM server), weights go to a transfer that only reads them.
 
 from __future__ import annotations
 
-import queue
 import types
 
 import numpy as np
@@ -22,6 +21,7 @@ pytest.importorskip("trl.experimental.async_grpo")
 from trl.experimental.async_grpo import AsyncGRPOConfig, packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from trl_tree.bench.async_grpo import NoTransfer, StreamWorker
 from trl_tree.bench.common import bench_tokenizer
 from trl_tree.tiny import tiny_model
 from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
@@ -56,47 +56,23 @@ def stand_in_kernel(monkeypatch):
     monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
 
 
-class StubWorker:
-    """TRL's ``RolloutWorkerProtocol`` over a fixed list of samples."""
+class StubWorker(StreamWorker):
+    """TRL's ``RolloutWorkerProtocol`` over a fixed list of samples, recording the versions it is told."""
 
     def __init__(self, samples):
-        self.rollout_buffer: queue.Queue = queue.Queue()
-        for sample in samples:
-            self.rollout_buffer.put(sample)
-        self.metrics_queue: queue.Queue = queue.Queue()
+        super().__init__(samples)
         self.versions: list[int] = []
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
 
     def update_model_version(self, version):
         self.versions.append(version)
 
-    def check_health(self, stale_after_s):
-        raise RuntimeError("the test's samples ran out")
 
-
-class ReadingTransfer:
+class ReadingTransfer(NoTransfer):
     """TRL's ``WeightTransferProtocol`` that reads the weights and sends them nowhere."""
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
 
     def send_weights(self, iterator):
         for _ in iterator:
             pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
 
 
 def forking_stream(seed: int = 0, groups: int = 12) -> list[RolloutSample]:

@@ -34,12 +34,11 @@ import os
 import queue
 import statistics
 import tempfile
-import time
 import types
 
 import torch
 
-from .common import bench_tokenizer, dump, environment, offline_bench_parser
+from .common import _timed_steps, bench_tokenizer, dump, environment, offline_bench_parser
 
 MODES = ("tree", "stock", "tree_dfs")
 LONG_MODES = ("tree_dfs+rollouts", "stock", "stock+fit", "tree+fit")
@@ -174,7 +173,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
                                        processing_class=bench_tokenizer(config.vocab_size),
                                        rollout_worker=StreamWorker(rollout_samples(stream)),
                                        weight_transfer=NoTransfer())
-        times = _timed(trainer)
+        times = _timed_steps(trainer)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
@@ -197,26 +196,6 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return result
-
-
-def _timed(trainer) -> list[float]:
-    """Each ``training_step``'s CUDA-synchronised wall time (one micro-batch per optimizer step)."""
-    times: list[float] = []
-    step = trainer.training_step
-    cuda = torch.cuda.is_available()
-
-    def timed(*args, **kwargs):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = step(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        return out
-
-    trainer.training_step = timed
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
