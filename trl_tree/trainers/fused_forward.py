@@ -45,17 +45,30 @@ def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[s
             return original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                             num_items_in_batch=num_items_in_batch, **kwargs)
         input_ids = kwargs["input_ids"]
-        attention_mask = kwargs.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels},
-                                   type(tree).__name__)
+        batch = _rows_of(tree, input_ids, kwargs.get("attention_mask"), labels)
         if batch.empty:  # nothing labelled: TRL's forward gives the zeros, connected to the model
             return original(fused_lm_head=True, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
         return tree_fused_outputs(tree, self, batch, input_ids.shape, labels, num_items_in_batch, head_outputs,
                                   policy)
 
     causal_lm.forward = types.MethodType(forward, causal_lm)
+
+
+def _rows_of(trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> SFTRows:
+    """The batch's ``SFTRows``, kept for the next call on the very same tensors: DPO's reference
+    call follows the policy's on them, and rebuilding the rows would read the ids back from the GPU,
+    waiting there for the policy's queued forward (the GPU then idles while the host lays them out)."""
+    key = tuple((t, t._version) if t is not None else None for t in (input_ids, attention_mask, labels))
+    cached = getattr(trainer, "_tree_rows_cache", None)
+    if cached is not None and len(cached[0]) == len(key) and all(
+            (a is None and b is None) or (a is not None and b is not None and a[0] is b[0] and a[1] == b[1])
+            for a, b in zip(cached[0], key)):
+        return cached[1]
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": mask, "labels": labels},
+                               type(trainer).__name__)
+    trainer._tree_rows_cache = (key, batch)
+    return batch
 
 
 def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels: torch.Tensor,

@@ -264,8 +264,13 @@ class TreeCallsMixin:
         ``(logps, entropies, head outputs, forests)`` on the rows' grid. ``logps`` carries the
         gradient where ``differentiable``: one autograd graph (packed, one call) or the bridge to the
         engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``)."""
-        calls = self._tree_calls(rows, None)
-        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        cached = getattr(self, "_tree_offline_forests", None)
+        if cached is not None and cached[0] is rows:  # the same rows again (DPO's reference after its policy)
+            calls, forests = cached[1], cached[2]
+        else:
+            calls = self._tree_calls(rows, None)
+            forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+            self._tree_offline_forests = (rows, calls, forests)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
         call_kwargs = self._call_kwargs(rope_length)
         with self.accelerator.autocast():
