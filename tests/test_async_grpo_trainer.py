@@ -126,13 +126,18 @@ def saved_model(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("mode", ["packed", "dfs"])
+@pytest.mark.parametrize("mode", ["packed", "dfs", "budget"])
 def test_one_update_equals_stock(stand_in_kernel, saved_model, tmp_path, mode):
+    """packed, dfs, and packed cut into calls by tree_token_budget (the two-pass bridge)."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     samples = forking_stream()
     stock, stock_logs = train_once(tmp_path / "stock", AsyncGRPOTrainer, saved_model, None, list(samples))
-    tree, tree_logs = train_once(tmp_path / "tree", TreeAsyncGRPOTrainer, saved_model, mode, list(samples))
+    extra = {"tree_token_budget": 30} if mode == "budget" else {}
+    tree, tree_logs = train_once(tmp_path / "tree", TreeAsyncGRPOTrainer, saved_model,
+                                 "packed" if mode == "budget" else mode, list(samples), **extra)
+    if mode == "budget":
+        assert max(h["tree/calls"] for h in tree_logs) > 1  # the budget did cut the row
     from transformers import AutoModelForCausalLM
 
     before = dict(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32).named_parameters())
@@ -145,7 +150,7 @@ def test_one_update_equals_stock(stand_in_kernel, saved_model, tmp_path, mode):
         assert err < 1e-5 or float((got - want).abs().max()) < 1e-7, f"{name}: update differs by {err:.2e}"
     assert moved > 1e-4  # the step did move the weights
     assert tree_logs[-1]["loss"] == pytest.approx(stock_logs[-1]["loss"], rel=1e-5, abs=1e-7)
-    assert tree_logs[-1]["tree/dedup_ratio"] > 1.5
+    assert tree_logs[-1]["tree/dedup_ratio"] > (1.0 if mode == "budget" else 1.5)
 
 
 def test_a_model_object_is_accepted(stand_in_kernel, saved_model, tmp_path):

@@ -119,3 +119,102 @@ def test_staleness_occurs_bounded_and_old_log_probs_are_the_generating_policys(t
     # the weights each turn was sampled with: every sync's, the later samples with newer ones
     versions = [loads for *_, loads in worker.generator.turns]
     assert versions == sorted(versions) and len(set(versions)) > 2
+
+
+def tool_tokenizer():
+    """The toy chat tokenizer with the characters a JSON tool call needs, and a ``response_template``
+    that parses ``<tool_call>{json}</tool_call>`` into ``tool_calls`` (the shape of TRL's Qwen3 one)."""
+    import re
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trl_tree.tiny import TINY_CHARS
+    from trl_tree.toy import CHAT_TEMPLATE
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for ch in TINY_CHARS + "<>{}_[]":
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "a:", "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": re.escape(tok.eos_token) + r"|$", "content": "text"}}}
+    return tok
+
+
+def test_local_worker_runs_the_tool_loop(tmp_path):
+    """TRL's tool loop through the local worker: a turn that calls a tool gets the tool's answer back
+    as a message, the conversation goes on, and the samples train the generated turns, not the
+    tool's output (a generator scripted to call the tool first, then answer). The toy template renders
+    the tool-call turn back without its call, so stock's reconciler forks the history into a second
+    row (``fork_threshold_tokens=0``): the call trains in the first row, the answer in the second."""
+    from accelerate import PartialState
+    from datasets import Dataset
+
+    from trl_tree.tiny import tiny_model
+    from trl_tree.trainers.local_rollout import LocalRolloutWorker
+
+    tok = tool_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    looked_up = []
+
+    def lookup(key: str) -> str:
+        """The value stored under a key.
+
+        Args:
+            key: the key
+        """
+        looked_up.append(key)
+        return f"value of {key}"
+
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {w}?"}] for w in ("alpha", "beta")]})
+    generations = 2
+    worker = LocalRolloutWorker(model, tok, prompts, [short_answers], eos_token_ids=[tok.eos_token_id],
+                                num_generations=generations, max_tokens=80, max_inflight_tasks=generations,
+                                tools=[lookup], fork_threshold_tokens=0)
+    call = tok.encode('<tool_call>{"name": "lookup", "arguments": {"key": "alpha"}}</tool_call>',
+                      add_special_tokens=False)
+    answer = tok.encode("it is alpha.", add_special_tokens=False)
+
+    def scripted(prompt_ids):  # call the tool until its answer is in the conversation, then answer
+        text = tok.decode(prompt_ids)
+        tokens = (answer if "value of" in text else call) + [tok.eos_token_id]
+        return tokens, [-1.0] * len(tokens)
+
+    worker.generator.sample = scripted
+    PartialState(cpu=True)  # stock's loop logs through Accelerate (the trainer would have made it)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while worker.rollout_buffer.qsize() < generations:
+            assert time.monotonic() < deadline, "the local worker made no samples"
+            worker.check_health(60)
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert looked_up and set(looked_up) == {"alpha"}
+    samples = []
+    while not worker.rollout_buffer.empty():
+        samples.append(worker.rollout_buffer.get_nowait())
+    # the tool-call turn is trained too, in the row the re-rendered history forked from
+    assert any(_contains([int(t) for i, t in enumerate(s.input_ids) if s.completion_mask[i]], call) for s in samples)
+    samples = [s for s in samples if _contains([int(t) for t in s.input_ids], answer)]
+    assert len(samples) >= generations
+    for sample in samples:
+        ids = [int(t) for t in sample.input_ids]
+        trained = {i for i, m in enumerate(sample.completion_mask) if m}
+        found = tok.encode("value of alpha", add_special_tokens=False)
+        starts = [i for i in range(len(ids)) if ids[i : i + len(found)] == found]
+        assert starts  # the tool's answer went back into the conversation
+        tool_output = set(range(starts[0], starts[0] + len(found)))
+        assert not tool_output & trained  # the tool's output is not trained
+        assert {i for i in range(len(ids) - len(answer) - 1, len(ids))} <= trained  # the final answer is
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
