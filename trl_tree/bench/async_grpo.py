@@ -38,7 +38,7 @@ import types
 
 import torch
 
-from .common import _timed_steps, bench_tokenizer, dump, environment, offline_bench_parser
+from .common import _timed_steps, bench_tokenizer, dump, environment, offline_bench_parser, release_memory
 
 MODES = ("tree", "stock", "tree_dfs")
 LONG_MODES = ("tree_dfs+rollouts", "stock", "stock+fit", "tree+fit")
@@ -192,9 +192,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
         "peak_gib": round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2) if cuda else None,
         "first_loss": round(logs[0]["loss"], 5)}
     del trainer, model
-    gc.collect()  # the trainer holds reference cycles: free its model before the next mode's peak is measured
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory()
     return result
 
 

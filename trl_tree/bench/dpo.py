@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from .common import bench_tokenizer, dump, environment, offline_bench_parser, train_and_time
+from .common import bench_tokenizer, dump, environment, offline_bench_parser, release_memory, train_and_time
 
 MODES = ("tree", "stock", "tree_dfs")
 #: shapes that are a dataset of several micro-batches (pairs per micro-batch), and their modes: the
@@ -80,8 +80,7 @@ def run_mode(mode: str, rows: list[dict], config, steps: int, micro_batch: int |
     result, logs = train_and_time(trainer)
     result["margins"] = round(logs[-1]["rewards/margins"], 4)
     del trainer, model, ref
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory()
     return result
 
 

@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from .common import bench_tokenizer, dump, environment, offline_bench_parser, train_and_time
+from .common import bench_tokenizer, dump, environment, offline_bench_parser, release_memory, train_and_time
 
 #: in this order: the tree first, so its step is timed before stock's large padded batches have
 #: grown the caching allocator (measured once: one shape's tree step 1.5x slower when run after them)
@@ -83,8 +83,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     if packed:
         result["rows"] = len(trainer.train_dataset)
     del trainer, model
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory()
     return result
 
 
