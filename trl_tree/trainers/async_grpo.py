@@ -19,12 +19,14 @@ import weakref
 from dataclasses import dataclass, field
 from unittest import mock
 
+import numpy as np
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 
+from ..forest import PrefixForest
 from .config import TreeArguments, as_tree_config
 from .fused_forward import tree_fused_outputs
 from .sft_rows import SFTRows
@@ -101,6 +103,7 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         with _given_model(model, args) as name_or_model, _peak_flops_off_cuda():
             super().__init__(name_or_model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
                              peft_config, tools, environment_factory, rollout_worker, weight_transfer)
+        self._tree_loss_terms: dict | None = None
         if args.tree_mode != "off":
             self._own_attention()
             self._install_trie_head()
@@ -143,8 +146,81 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
                                   trie["tree_cu_seqlens_q"], trie["tree_cu_seqlens_k"], type(self).__name__)
         batch = row.padded_batch(self.processing_class.pad_token_id, input_ids.device)
         rows = SFTRows.from_batch(batch, type(self).__name__)
+        terms = self._tree_loss_terms
+        if terms is not None and torch.is_grad_enabled() and self.args.tree_mode == "dfs" and not self._fsdp2():
+            log_probs, entropy = self._walk_with_stock_loss(model, row, rows, terms)
+            return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy)
         out = tree_fused_outputs(self, model, rows, batch["input_ids"].shape, batch["labels"], None, (), policy=True)
         return FusedCausalLMOutput(log_probs=row.to_packed(out.log_probs), entropy=row.to_packed(out.entropy))
+
+    def _walk_with_stock_loss(self, model, row: TrieRow, batch: SFTRows, inputs: dict):
+        """dfs in one pass: stock's loss is a sum of per-term functions of one log-prob each (the
+        clipped ratio times the advantage, over the micro-batch's normaliser), so the walk computes
+        each term's gradient as it scores the token — no scoring pass first, which the two-pass
+        bridge needs for a loss that is not separable. Returns the ``(1, positions)`` log-probs and
+        entropies stock's loss then reads (for its value and metrics): already back-propagated, so
+        they are a leaf whose gradient goes nowhere."""
+        rows = batch.rows
+        device = rows.rows.device
+        width = rows.shape[1]
+        # each labelled packed position's cell in the (samples, scored) grid: the samples are the leaves
+        # with a labelled position, in order; a sample's column 0 is its first scored prediction
+        leaf, depth = row.leaf, row.depth
+        kept, sample_of = np.unique(leaf, return_inverse=True)
+        first = np.full(kept.shape[0], np.iinfo(np.int64).max)
+        np.minimum.at(first, sample_of, depth)
+        cell_of = np.full(row.num_positions, -1, dtype=np.int64)
+        cell_of[row.labelled] = sample_of * width + depth - first[sample_of]
+        cell_of = torch.from_numpy(cell_of).to(device)
+        selected = inputs["token_index"] >= 0
+        cells = cell_of[inputs["token_index"][selected]]
+        old = inputs["old_log_probs"][selected].float()
+        advantages = inputs["advantages"][selected].float()
+        order = torch.argsort(cells, stable=True)  # each cell's terms together (stock's loss sums over terms)
+        counts = torch.bincount(cells, minlength=rows.shape[0] * width)
+        starts = counts.cumsum(0) - counts
+        scale = self._stock_loss_scale(inputs)
+        low, high = 1 - self.epsilon_low, 1 + self.epsilon_high
+        logps = torch.zeros(rows.shape, device=device)
+        entropies = torch.zeros(rows.shape, device=device)
+
+        def make_loss(where, term_index):
+            call_cells = where[0] * width + where[1]
+
+            def token_loss(lp, seq_idx, pos, ent=None):
+                cell = call_cells[term_index(seq_idx, pos)]
+                logps.view(-1)[cell] = lp.detach().float()
+                entropies.view(-1)[cell] = ent.detach().float()
+                n = counts[cell]
+                pred = torch.repeat_interleave(torch.arange(cell.shape[0], device=device), n)
+                offset = torch.arange(pred.shape[0], device=device) - (n.cumsum(0) - n)[pred]
+                term = order[starts[cell][pred] + offset]
+                ratio = torch.exp(lp.float()[pred] - old[term])
+                per_term = -torch.minimum(ratio * advantages[term], ratio.clamp(low, high) * advantages[term])
+                return torch.zeros_like(lp, dtype=torch.float32).index_add(0, pred, per_term * scale)
+
+            return token_loss
+
+        calls = self._tree_calls(rows, None)
+        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        self._log_forests(forests)
+        self._walk_calls(model, rows, calls, forests, make_loss, self._call_kwargs(int(row.lengths.max())),
+                         with_entropy=True)
+        labelled = torch.from_numpy(row.labelled).to(device)
+
+        def packed(grid: torch.Tensor) -> torch.Tensor:  # stock's (1, positions) layout
+            return grid.new_zeros(row.num_positions).index_put((labelled,), grid.view(-1)[cell_of[labelled]])[None]
+
+        return packed(logps).requires_grad_(), packed(entropies)
+
+    def _stock_loss_scale(self, inputs: dict) -> float:
+        """What stock's loss divides a micro-batch's term sum by (its trained tokens per rank, then
+        the accumulation steps) — or, with ``loss_normalization='window'``, the window's."""
+        world = self.accelerator.num_processes
+        if self.args.loss_normalization == "window":
+            return world / max(self._tree_window_tokens, 1.0)
+        per_rank = max(float(inputs["global_n_tokens"][0]) / world, 1.0)
+        return 1.0 / (per_rank * self.current_gradient_accumulation_steps)
 
     def get_train_dataloader(self):
         """Stock's dataloader; with ``tree_batcher='rollouts'`` its batcher is this package's
@@ -171,7 +247,11 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
+        self._tree_loss_terms = inputs  # dfs: the walk computes stock's loss terms as it scores
+        try:
+            loss = super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._tree_loss_terms = None
         if self.args.loss_normalization != "window":
             return loss
         # stock divided the micro-batch's sum by max(N_mb / W, 1) and by the accumulation steps; the

@@ -305,22 +305,33 @@ class TreeCallsMixin:
                 router = None  # the loss does not depend on it
             else:
                 router.set_backward(grad_aux)
+
+        def make_loss(where, term_index):
+            weights = grad[where].float()  # flat, in the call's (row, token) order
+            ent_weights = grad_entropies[where].float() if with_entropy else None
+            value_weights = grad_values[where].float() if value_head is not None else None
+
+            def token_loss(lp, seq_idx, pos, ent=None, values=None):
+                index = term_index(seq_idx, pos)
+                terms = lp * weights[index]
+                if ent is not None:
+                    terms = terms + ent * ent_weights[index]
+                return terms if values is None else terms + values * value_weights[index]
+
+            return token_loss
+
+        self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy, router, value_head, sync)
+
+    def _walk_calls(self, model, rows: PaddedRows, calls, forests, make_loss, kwargs: dict, with_entropy: bool = False,
+                    router=None, value_head=None, sync: bool = True) -> None:
+        """Each call's ``tree_backward`` with the token loss ``make_loss(where, term_index)`` builds
+        for it (``rows.call_terms``: where its terms sit, and the engine's ``(seq_idx, pos)`` to their
+        index), under the trainer's autocast (and FSDP2's gathered parameters); then the gradients'
+        synchronisation."""
         with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 where, term_index = rows.call_terms(call)
-                weights = grad[where].float()  # flat, in the call's (row, token) order
-                ent_weights = grad_entropies[where].float() if with_entropy else None
-                value_weights = grad_values[where].float() if value_head is not None else None
-
-                def token_loss(lp, seq_idx, pos, ent=None, values=None, weights=weights, ent_weights=ent_weights,
-                               value_weights=value_weights, term_index=term_index):
-                    index = term_index(seq_idx, pos)
-                    terms = lp * weights[index]
-                    if ent is not None:
-                        terms = terms + ent * ent_weights[index]
-                    return terms if values is None else terms + values * value_weights[index]
-
-                tree_backward(model, forest, token_loss, score_from=rows.subset(call)[1],
+                tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
                               with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         if sync:
             self._sync_gradients(model)
