@@ -8,7 +8,8 @@ Each stream (``workloads.async_streams``) is fed to the async trainer through a 
 * ``stock``: ``tree_mode="off"``, which is TRL 1.16's ``AsyncGRPOTrainer`` bit for bit (tested):
   its trie packing, one packed pass through its ``tree_fa3`` attention. That attention calls the
   FlashAttention-3 kernel TRL fetches from the hub, which cannot be installed here; PyTorch's own
-  FlashAttention varlen (``aten._flash_attention_forward``, FA2) stands in for it, with its backward.
+  FlashAttention varlen (FA2, with its backward) stands in for it — the trie packer benchmark's
+  stand-in (``trie_packer.install_varlen_stand_in``).
 * ``tree`` / ``tree_dfs``: the engine (packed; the depth-first walk), its own attention kernels
   (``tree_attn_backend="auto"``).
 * suffixes: ``+compile`` sets ``tree_compile_layers`` (``torch.compile`` of every layer's
@@ -34,52 +35,14 @@ import os
 import queue
 import statistics
 import tempfile
-import types
 
 import torch
 
 from .common import _timed_steps, bench_tokenizer, dump, environment, offline_bench_parser, release_memory
+from .trie_packer import install_varlen_stand_in
 
 MODES = ("tree", "stock", "tree_dfs")
 LONG_MODES = ("tree_dfs+rollouts", "stock", "stock+fit", "tree+fit")
-
-
-class _Varlen(torch.autograd.Function):
-    """PyTorch's FlashAttention varlen (FA2) with its backward, in the signature of flash-attn's
-    ``flash_attn_varlen_func``: the stand-in for the hub FA3 kernel stock's ``tree_attention`` calls."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        from ..attention.partial import flash_partial_forward
-
-        out, lse, state = flash_partial_forward(q, k, v, cu_q, cu_k, max_q, max_k, True, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.rest = (state, max_q, max_k, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        from ..attention.partial import flash_partial_backward
-
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        state, max_q, max_k, scale = ctx.rest
-        dq, dk, dv = flash_partial_backward(grad, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, True, scale)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=True,
-                 **kwargs):
-    if not causal or kwargs.get("window_size", (-1, -1)) != (-1, -1):
-        raise ValueError("the FA3 stand-in runs causal attention without a window only")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _Varlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale)
-
-
-def install_stand_in() -> None:
-    """Stock's ``tree_attention`` fetches its kernel through ``packing._flash_attn()``: answer it."""
-    from trl.experimental.async_grpo import packing
-
-    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=torch_varlen)
 
 
 class StreamWorker:
@@ -210,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the async trainer benchmark times a GPU")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    install_stand_in()
+    install_varlen_stand_in()
     config = shaped_config(args.size)
     groups = args.groups or args.steps + 4
     streams = async_streams(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None, groups)

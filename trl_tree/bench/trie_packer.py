@@ -69,11 +69,18 @@ def trie_packer_available() -> bool:
         return False
 
 
-def _packing():
+def install_varlen_stand_in():
+    """Answer TRL's ``packing._flash_attn()`` (which fetches the Hub FA3 kernel, out of reach here)
+    with :class:`_TorchVarlenKernel`; returns TRL's ``packing`` module."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.async_grpo import packing
 
-    packing._flash_attn = lambda: _TorchVarlenKernel  # its Hub FA3 kernel cannot be fetched here
+    packing._flash_attn = lambda: _TorchVarlenKernel
+    return packing
+
+
+def _packing():
+    packing = install_varlen_stand_in()
     packing.register_tree_attention()
     return packing
 
