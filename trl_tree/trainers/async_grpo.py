@@ -26,7 +26,6 @@ from transformers import PreTrainedModel
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 
-from ..forest import PrefixForest
 from .config import TreeArguments, as_tree_config
 from .fused_forward import tree_fused_outputs
 from .sft_rows import SFTRows
@@ -163,14 +162,12 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         rows = batch.rows
         device = rows.rows.device
         width = rows.shape[1]
-        # each labelled packed position's cell in the (samples, scored) grid: the samples are the leaves
-        # with a labelled position, in order; a sample's column 0 is its first scored prediction
-        leaf, depth = row.leaf, row.depth
-        kept, sample_of = np.unique(leaf, return_inverse=True)
-        first = np.full(kept.shape[0], np.iinfo(np.int64).max)
-        np.minimum.at(first, sample_of, depth)
+        # each labelled packed position's cell in the (samples, scored) grid: a sample is a leaf with a
+        # labelled position (SFTRows keeps them in order, ``batch_rows``), its column 0 the prediction
+        # at depth ``batch_cols``
+        sample_of = np.searchsorted(batch.batch_rows, row.leaf)
         cell_of = np.full(row.num_positions, -1, dtype=np.int64)
-        cell_of[row.labelled] = sample_of * width + depth - first[sample_of]
+        cell_of[row.labelled] = sample_of * width + row.depth - batch.batch_cols[sample_of]
         cell_of = torch.from_numpy(cell_of).to(device)
         selected = inputs["token_index"] >= 0
         cells = cell_of[inputs["token_index"][selected]]
@@ -201,17 +198,13 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
 
             return token_loss
 
-        calls = self._tree_calls(rows, None)
-        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        calls, forests = self._offline_layout(rows)
         self._log_forests(forests)
-        self._walk_calls(model, rows, calls, forests, make_loss, self._call_kwargs(int(row.lengths.max())),
-                         with_entropy=True)
-        labelled = torch.from_numpy(row.labelled).to(device)
-
-        def packed(grid: torch.Tensor) -> torch.Tensor:  # stock's (1, positions) layout
-            return grid.new_zeros(row.num_positions).index_put((labelled,), grid.view(-1)[cell_of[labelled]])[None]
-
-        return packed(logps).requires_grad_(), packed(entropies)
+        longest = int(row.lengths.max())
+        self._walk_calls(model, rows, calls, forests, make_loss, self._call_kwargs(longest), with_entropy=True)
+        layout = (len(row.lengths), longest - 1)  # the leaves' next-token grid, as the two-pass path fills it
+        return (row.to_packed(batch.to_batch(logps, layout)).requires_grad_(),
+                row.to_packed(batch.to_batch(entropies, layout)))
 
     def _stock_loss_scale(self, inputs: dict) -> float:
         """What stock's loss divides a micro-batch's term sum by (its trained tokens per rank, then

@@ -58,16 +58,15 @@ def _rows_of(trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     """The batch's ``SFTRows``, kept for the next call on the very same tensors: DPO's reference
     call follows the policy's on them, and rebuilding the rows would read the ids back from the GPU,
     waiting there for the policy's queued forward (the GPU then idles while the host lays them out)."""
-    key = tuple((t, t._version) if t is not None else None for t in (input_ids, attention_mask, labels))
+    tensors = (input_ids, attention_mask, labels)
+    versions = tuple(None if t is None else t._version for t in tensors)  # unchanged in place since
     cached = getattr(trainer, "_tree_rows_cache", None)
-    if cached is not None and len(cached[0]) == len(key) and all(
-            (a is None and b is None) or (a is not None and b is not None and a[0] is b[0] and a[1] == b[1])
-            for a, b in zip(cached[0], key)):
-        return cached[1]
+    if cached is not None and all(a is b for a, b in zip(cached[0], tensors)) and cached[1] == versions:
+        return cached[2]
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": mask, "labels": labels},
                                type(trainer).__name__)
-    trainer._tree_rows_cache = (key, batch)
+    trainer._tree_rows_cache = (tensors, versions, batch)
     return batch
 
 

@@ -264,13 +264,7 @@ class TreeCallsMixin:
         ``(logps, entropies, head outputs, forests)`` on the rows' grid. ``logps`` carries the
         gradient where ``differentiable``: one autograd graph (packed, one call) or the bridge to the
         engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``)."""
-        cached = getattr(self, "_tree_offline_forests", None)
-        if cached is not None and cached[0] is rows:  # the same rows again (DPO's reference after its policy)
-            calls, forests = cached[1], cached[2]
-        else:
-            calls = self._tree_calls(rows, None)
-            forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
-            self._tree_offline_forests = (rows, calls, forests)
+        calls, forests = self._offline_layout(rows)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
         call_kwargs = self._call_kwargs(rope_length)
         with self.accelerator.autocast():
@@ -285,6 +279,17 @@ class TreeCallsMixin:
 
             logps, _, _, _ = bridge(logps, None, second_pass)
         return logps, entropies.detach(), extra, forests
+
+    def _offline_layout(self, rows: PaddedRows) -> tuple[list[list[int]], list[PrefixForest]]:
+        """``rows`` cut into tree calls and built into forests — kept for the next call on the same
+        rows (DPO's reference call after its policy's)."""
+        cached = getattr(self, "_tree_offline_forests", None)
+        if cached is not None and cached[0] is rows:
+            return cached[1], cached[2]
+        calls = self._tree_calls(rows, None)
+        forests = [PrefixForest.from_sequences(rows.subset(call)[0]) for call in calls]
+        self._tree_offline_forests = (rows, calls, forests)
+        return calls, forests
 
     def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
                        grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
