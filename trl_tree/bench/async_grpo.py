@@ -30,7 +30,6 @@ TRL's batcher: the modes' losses agree to bf16).
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import queue
 import statistics
@@ -106,8 +105,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
     if budget is None:
         raise ValueError(f"{mode}: stream {stream.name} has no fit_budget")
     cuda = torch.cuda.is_available()
-    gc.collect()
-    leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier modes left: not this mode's
+    leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier modes left (past release_memory)
     torch.manual_seed(0)
     with torch.device("cuda" if cuda else "cpu"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16 if cuda else torch.float32,
