@@ -25,6 +25,7 @@ from .attention.support import attention_features
 from .cost_model import GroupBudget, choose_mode, default_memory_budget
 from .dfs.buckets import PADDED_BUDGET_SCALE
 from .dfs.graphs import walk_graphs
+from .dfs.plan import keeps_groups
 from .dfs.walk import DepthFirstWalk
 from .forest import PrefixForest, ScoringPlan
 from .graphs import graphed_scores
@@ -382,11 +383,7 @@ def _forward_scores(model, seqs, mode: str, opts: TreeOptions, temperature, retu
     (``extra``: the ``head_outputs`` asked for, in their order)."""
     parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
                                                      lm_head_fp32, router, value_head, values_only)
-    unknown = [name for name in head_outputs if name not in HEAD_OUTPUTS]
-    if unknown:
-        raise ValueError(f"head_outputs: {unknown} are not among {HEAD_OUTPUTS}")
-    if head_outputs and values_only:
-        raise ValueError("head_outputs asks the LM head, which a value-only call does not run")
+    _check_head_outputs(head_outputs, values_only)
     parts.head_outputs = {name: [] for name in head_outputs}
     gather = torch.from_numpy(plan.gather).to(parts.device)
     if mode == "dfs":
@@ -414,6 +411,8 @@ def tree_backward(
     router: RouterAux | None = None,
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
+    coupled: Sequence[int] | None = None,
+    head_outputs: Sequence[str] = (),
     **deprecated_knobs: object,
 ) -> float:
     """Back-propagate ``sum_i sum_j token_loss(logps[i][j], i, j)`` through the tree.
@@ -440,10 +439,21 @@ def tree_backward(
     piece is back-propagated with it (``trl_tree.router``). ``value_head``: a critic's head on the
     policy's trunk, read in the same forward (see :func:`tree_logprobs`); ``token_loss`` then also
     gets the values, as keyword ``values``.
+
+    ``coupled``: a group id per sequence, for a loss on whole sequences (DPO's: a function of each
+    pair's summed log-probs). ``token_loss`` may then couple the terms of one group, and every call
+    of it gets all the terms of the groups it sees: packed mode calls it once; the walk calls it per
+    unit where its plan keeps each group's terms in one unit (one pass, ``dfs.plan.keeps_groups``),
+    and otherwise scores the forest first (a forward-only walk), takes each term's gradient from one
+    call of ``token_loss`` on all the terms, and walks with those gradients (two passes; the same
+    gradients). The return value is then the sum of that one call's terms. ``head_outputs``: the
+    head's by-products of :func:`tree_logprobs` (``"is_top1"``, ``"mean_logits"``,
+    ``"log_sum_sq_probs"``), handed to ``token_loss`` as keywords of those names (constants: a
+    loss's metrics, WPO's weights); a walk that hands them over replays no CUDA graph.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_backward", BACKWARD_KNOBS)
     return _backward(model, seqs, token_loss, mode, opts, temperature, score_from, rope_length, lm_head_fp32, router,
-                     with_entropy, value_head, values_only=False)
+                     with_entropy, value_head, values_only=False, coupled=coupled, head_outputs=tuple(head_outputs))
 
 
 def tree_value_backward(
@@ -471,12 +481,16 @@ def tree_value_backward(
 
 
 def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature, score_from, rope_length,
-              lm_head_fp32, router, with_entropy, value_head, values_only: bool) -> float:
+              lm_head_fp32, router, with_entropy, value_head, values_only: bool, coupled=None,
+              head_outputs: tuple[str, ...] = ()) -> float:
     """:func:`tree_backward` and :func:`tree_value_backward`."""
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
+    _check_head_outputs(head_outputs, values_only)
     parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
                                                      lm_head_fp32, router, value_head, values_only)
+    parts.head_outputs = {name: [] for name in head_outputs}
+    groups = _coupled_groups(coupled, forest, value_head)
     if mode == "dfs":
         keep_graph = opts.keep_graph
         if keep_graph and opts.cuda_graphs:
@@ -486,7 +500,16 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
         if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
             keep_graph = checkpointing_on(parts) and not opts.cuda_graphs
         walk = _dfs_walk(parts, forest, plan, opts, temperature, keep_graph)
+        linearised = None
+        if groups is not None and not keeps_groups(walk.plan, plan, groups):
+            del walk  # its K/V stack; the scoring walk takes its own
+            linearised = _linearised_loss(parts, forest, plan, opts, temperature, token_loss, with_entropy)
+            token_loss = linearised[0]
+            parts.head_outputs = {}  # the linear loss needs none: the walk may replay its units
+            walk = _dfs_walk(parts, forest, plan, opts, temperature, keep_graph)
         total = walk.backward(token_loss, keep_graph, with_entropy)
+        if linearised is not None:
+            total = linearised[1]
         if not math.isfinite(total):
             raise FloatingPointError(f"token_loss gave a non-finite loss ({total}) in mode='dfs'; the gradients "
                                      "it left in .grad are not finite")
@@ -494,7 +517,8 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
     with torch.enable_grad():
         logp, ent, values, (seq_idx, pos) = _score(parts, forest, plan, opts, temperature, with_entropy,
                                                    extra=(plan.seq_idx, plan.pos))
-        terms = call_token_loss(token_loss, logp, ent, values, seq_idx, pos, with_entropy, parts.scores_logps)
+        terms = call_token_loss(token_loss, logp, ent, values, seq_idx, pos, with_entropy, parts.scores_logps,
+                                _head_outputs_per_term(parts, plan, logp))
         loss = terms.sum()
         router_term = router.take_term() if router is not None else None
         if router_term is not None:
@@ -509,3 +533,64 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
             f"{' ...' if len(bad) > 16 else ''}; the gradients it left in .grad are not finite"
         )
     return total
+
+
+def _check_head_outputs(head_outputs: tuple[str, ...], values_only: bool) -> None:
+    unknown = [name for name in head_outputs if name not in HEAD_OUTPUTS]
+    if unknown:
+        raise ValueError(f"head_outputs: {unknown} are not among {HEAD_OUTPUTS}")
+    if head_outputs and values_only:
+        raise ValueError("head_outputs asks the LM head, which a value-only call does not run")
+
+
+def _head_outputs_per_term(parts: ModelParts, plan: ScoringPlan, logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A packed call's head by-products (per prediction, as scored) spread over its terms."""
+    if not parts.head_outputs:
+        return {}
+    gather = torch.from_numpy(plan.gather).to(logp.device)
+    return {name: torch.cat(kept).index_select(0, gather) for name, kept in parts.head_outputs.items()}
+
+
+def _coupled_groups(coupled, forest: PrefixForest, value_head) -> np.ndarray | None:
+    """``coupled`` checked: one integer group id per sequence of ``forest``."""
+    if coupled is None:
+        return None
+    groups = np.asarray(coupled)
+    if groups.shape != (forest.num_sequences,) or not np.issubdtype(groups.dtype, np.integer):
+        raise ValueError(f"coupled must give one integer group id per sequence ({forest.num_sequences}), got "
+                         f"{groups.dtype} of shape {groups.shape}")
+    if value_head is not None:
+        raise ValueError("coupled (a loss on whole sequences) is not supported with a value head")
+    return groups
+
+
+def _linearised_loss(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: TreeOptions,
+                     temperature: float, token_loss, with_entropy: bool):
+    """For a walk whose units split a coupled group: every term's log-prob (and entropy) from a
+    forward-only walk, the gradient of ``token_loss`` on all of them at once, and the elementwise
+    loss ``g * logp (+ h * entropy)`` that gives the walk exactly those gradients. Returns that loss
+    and the value of ``token_loss``'s sum."""
+    walk = _dfs_walk(parts, forest, plan, opts, temperature, False, forward_only=True)
+    *rows, extra = walk.logprobs(with_entropy)
+    del walk
+    gather, seq_idx, pos = upload([plan.gather, plan.seq_idx, plan.pos], torch.int64, parts.device)
+    logp, ent = (x.index_select(0, gather).detach().requires_grad_() if x is not None else None for x in rows[:2])
+    extra = {name: x.index_select(0, gather) for name, x in zip(parts.head_outputs, extra)}
+    wrt = [logp] + ([ent] if with_entropy else [])
+    with torch.enable_grad():
+        terms = call_token_loss(token_loss, logp, ent, None, seq_idx, pos, with_entropy, True, extra)
+        grads = torch.autograd.grad(terms.sum(), wrt, allow_unused=True)
+    g, *h = (torch.zeros_like(x) if d is None else d.detach() for x, d in zip(wrt, grads))
+    h = h[0] if h else None
+    counts = plan.counts.astype(np.int64)
+    offsets = np.cumsum(counts) - counts  # each sequence's first term
+    first = np.zeros_like(offsets)  # the position of that term
+    first[counts > 0] = plan.pos[offsets[counts > 0]]
+    offsets_t, first_t = upload([offsets, first], torch.int64, parts.device)
+
+    def linear(lp, seq, p, en=None, **_):
+        n = offsets_t[seq] + p - first_t[seq]
+        out = lp * g[n]
+        return out if h is None else out + en * h[n]
+
+    return linear, float(terms.detach().sum())

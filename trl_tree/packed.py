@@ -259,16 +259,20 @@ def checkpointing_on(parts: ModelParts) -> bool:
 
 def call_token_loss(token_loss: Callable, logp: torch.Tensor | None, ent: torch.Tensor | None,
                     values: torch.Tensor | None, seq_idx: torch.Tensor, pos: torch.Tensor, with_entropy: bool,
-                    scores_logps: bool = True) -> torch.Tensor:
+                    scores_logps: bool = True, extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """A loss's terms by the engine's calling convention: the scored quantity first (log-probs, or
     the values of a value-only call), then ``seq_idx``, ``pos``, the entropies with
-    ``with_entropy``, and ``values=`` where values are read beside the log-probs; checked to be one
+    ``with_entropy``, ``values=`` where values are read beside the log-probs, and the head's
+    by-products ``extra`` (``tree_backward(head_outputs=...)``) as keywords; checked to be one
     term each."""
     if not scores_logps:
         terms = token_loss(values, seq_idx, pos)
         check_loss_terms(terms, values)
         return terms
     args = (logp, seq_idx, pos, ent) if with_entropy else (logp, seq_idx, pos)
-    terms = token_loss(*args, values=values) if values is not None else token_loss(*args)
+    keywords = dict(extra or {})
+    if values is not None:
+        keywords["values"] = values
+    terms = token_loss(*args, **keywords)
     check_loss_terms(terms, logp)
     return terms

@@ -260,3 +260,17 @@ def unit_layout(forest: PrefixForest, unit: Unit) -> dict[str, np.ndarray | int]
         "max_seqlen_q": int(q_len.max()),
         "max_seqlen_k": int(own_len.max()),
     }
+
+
+def keeps_groups(plan: WalkPlan, scoring: ScoringPlan, groups: np.ndarray) -> bool:
+    """Whether every group of sequences (``groups[i]``: sequence ``i``'s group id) has all its loss
+    terms in one unit — what a loss coupling a group's terms (``tree_backward(coupled=...)``) needs
+    to be computed unit by unit, as the walk back-propagates each unit before the next one's forward."""
+    _, group_of = np.unique(groups, return_inverse=True)
+    unit_of = np.full(int(group_of.max(initial=-1)) + 1, -1, dtype=np.int64)
+    for u, terms in enumerate(plan.terms_of_unit):
+        here = np.unique(group_of[scoring.seq_idx[terms]])
+        if (unit_of[here] >= 0).any():  # a group met again: its terms are split over units
+            return False
+        unit_of[here] = u
+    return True

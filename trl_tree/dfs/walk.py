@@ -18,7 +18,9 @@ gradient; after the last unit, when only the gradients remain, one head call ove
 back-propagates into the weight (the same sum, one buffer, at the walk's quietest moment).
 
 Every per-token loss term is fixed before the walk (``token_loss`` is called on each unit's terms
-and must be elementwise: term n may depend only on ``logps[n]``, ``seq_idx[n]``, ``pos[n]``).
+and must be elementwise: term n may depend only on ``logps[n]``, ``seq_idx[n]``, ``pos[n]``) — or,
+for a loss on whole sequences (``tree_backward(coupled=...)``), on the terms of its own group, which
+the engine then checks the plan keeps in one unit (``keeps_groups``).
 """
 
 from __future__ import annotations
@@ -158,10 +160,13 @@ class DepthFirstWalk:
             if scored is not None:
                 anchor = anchor + scored.sum() * 0
         hidden_rows = hidden.index_select(0, self.src[u]) if head is not None else None
-        return self._terms_loss(u, logp, ent, values, anchor, hidden_rows, token_loss, head, with_entropy)
+        # the head's by-products of the unit's rows (``tree_backward(head_outputs=...)``), for its terms
+        extra = {name: kept.pop() for name, kept in self.parts.head_outputs.items()} if logp is not None else {}
+        return self._terms_loss(u, logp, ent, values, anchor, hidden_rows, token_loss, head, with_entropy, extra)
 
     def _terms_loss(self, u: int, logp, ent, values, anchor: torch.Tensor, hidden_rows: torch.Tensor | None,
-                    token_loss: Callable, head: _DeferredHead | None, with_entropy: bool) -> torch.Tensor:
+                    token_loss: Callable, head: _DeferredHead | None, with_entropy: bool,
+                    extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The unit's loss from its scored rows (eager or replayed): its terms plus ``anchor``."""
         if head is not None:
             logp, ent = head.record(self.rows[u], hidden_rows, logp, ent)
@@ -169,8 +174,9 @@ class DepthFirstWalk:
             return anchor.float() + self._router_term()
         rows = self.term_row[u]
         pick = [x.index_select(0, rows) if x is not None else None for x in (logp, ent, values)]
+        extra = {name: x.index_select(0, rows) for name, x in (extra or {}).items()}
         out = call_token_loss(token_loss, *pick, self.term_seq[u], self.term_pos[u], with_entropy,
-                              self.parts.scores_logps)
+                              self.parts.scores_logps, extra)
         return out.sum() + anchor + self._router_term()
 
     def _router_term(self) -> torch.Tensor | float:
@@ -234,7 +240,9 @@ class DepthFirstWalk:
         kept: dict[int, torch.Tensor] = {}
         head = (_DeferredHead(self.scoring.num_predictions, self.device, with_entropy) if self._head_trains()
                 else None)
-        replay = self._replay(with_entropy)  # replayed pushes are recomputed at their pop (engine: no keep_graph)
+        # replayed pushes are recomputed at their pop (engine: no keep_graph); the replayed head computes
+        # no by-products, so a walk that hands them to its loss runs eagerly
+        replay = self._replay(with_entropy) if not self.parts.head_outputs else None
         for step in self.plan.steps:
             u = step.unit
             if replay is not None and step.op == "push":
