@@ -17,7 +17,7 @@ from trl_tree import TreeDPOConfig, TreeDPOTrainer
 SYSTEM = "you are a careful assistant; answer the question about the story. "
 BASE = dict(per_device_train_batch_size=4, learning_rate=0.5, optim="sgd", max_steps=2, logging_steps=1,
             report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
-            gradient_checkpointing=False)
+            gradient_checkpointing=False, max_grad_norm=0.0)  # unclipped: a gradient off by a factor shows
 LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
           "logps/rejected", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens", "entropy")
 
@@ -47,7 +47,8 @@ def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_
 def compare(checkpoint, tree=None, **config):
     stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, **config)
     treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **config, **(tree or {}))
-    assert_same_update(stock, treed)
+    start = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).named_parameters())
+    assert_same_update(stock, treed, start)  # the updates, not the parameters they move
     for step in (0, 1):
         for key in LOGGED:
             if key in stock_log[step]:
@@ -93,14 +94,55 @@ def test_engine_backward_paths_match_stock(checkpoint, tree):
     compare(checkpoint, tree=tree, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.3])
 
 
-def test_lora_with_the_base_as_reference_matches_stock(checkpoint):
+#: dfs whose units hold whole trees (on the CPU the default budget is one sequence's footprint, which
+#: pushes every prompt and splits its pairs: the engine then scores first, as the case above checks)
+ONE_PASS = {"tree_mode": "dfs", "tree_memory_budget": 1 << 30}
+PER_PAIR_LOSSES = [t for group in LOSS_GROUPS.values() for t in group if t not in ("aot", "aot_unpaired")]
+ONE_PASS_CASES = {
+    "every_per_pair_loss": dict(loss_type=PER_PAIR_LOSSES, loss_weights=[1.0 / (k + 1) for k in range(13)],
+                                label_smoothing=1e-3),
+    "weighting_ld_alpha_divergence_accumulation_precomputed": dict(
+        use_weighting=True, ld_alpha=0.5, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5,
+        gradient_accumulation_steps=2, per_device_train_batch_size=2, precompute_ref_log_probs=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_PASS_CASES))
+def test_one_pass_walk_matches_stock(checkpoint, monkeypatch, case):
+    """dfs in one pass (``dpo_walk``): each unit back-propagates its pairs' loss — stock's, on the
+    unit's log-probs — as it scores them; no scoring pass first (spied: the walk never falls back)."""
+    from trl_tree import engine
+
+    from trl_tree.trainers import dpo
+
+    fallbacks, one_pass = [], []
+    linearised = engine._linearised_loss
+    monkeypatch.setattr(engine, "_linearised_loss", lambda *a: fallbacks.append(1) or linearised(*a))
+    walked = dpo.one_pass_loss
+    monkeypatch.setattr(dpo, "one_pass_loss", lambda *a: one_pass.append(walked(*a)) or one_pass[-1])
+    compare(checkpoint, tree=ONE_PASS, **ONE_PASS_CASES[case])
+    assert one_pass and all(loss is not None for loss in one_pass) and not fallbacks
+
+
+def test_one_pass_walk_checks_the_trainers_scale(checkpoint, monkeypatch):
+    """The walk scales each unit's loss as the Trainer's backward will; a different scale is an error,
+    never a silently wrong gradient."""
+    from trl_tree.trainers import dpo_walk
+
+    monkeypatch.setattr(dpo_walk, "_gradient_scale", lambda trainer, n: 0.25)
+    with pytest.raises(RuntimeError, match="scaled the loss by 0.25"):
+        run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **ONE_PASS)
+
+
+@pytest.mark.parametrize("tree", [{}, ONE_PASS], ids=["packed", "dfs_one_pass"])
+def test_lora_with_the_base_as_reference_matches_stock(checkpoint, tree):
     from peft import LoraConfig
 
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     torch.manual_seed(0)
     stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, reference=False, peft_config=peft)
     torch.manual_seed(0)
-    tree, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, reference=False, peft_config=peft)
+    tree, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, reference=False, peft_config=peft, **tree)
     assert stock and all("lora" in n for n in stock)
     assert_same_update(stock, tree)
     assert tree_log[1]["rewards/margins"] == pytest.approx(stock_log[1]["rewards/margins"], rel=1e-5, abs=1e-7)

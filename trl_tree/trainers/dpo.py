@@ -13,6 +13,7 @@ from peft import PeftModel
 from trl import DPOTrainer
 
 from .config import TreeDPOConfig, as_tree_config
+from .dpo_walk import one_pass_loss, walks_in_one_pass
 from .fused_forward import install_tree_head
 from .tree_calls import TreeCallsMixin
 
@@ -67,6 +68,10 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if walks_in_one_pass(self, inputs, return_outputs):  # dfs: the walk back-propagates as it scores
+            loss = one_pass_loss(self, model, inputs, num_items_in_batch)
+            if loss is not None:
+                return loss
         return super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -45,7 +45,7 @@ def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[s
             return original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                             num_items_in_batch=num_items_in_batch, **kwargs)
         input_ids = kwargs["input_ids"]
-        batch = _rows_of(tree, input_ids, kwargs.get("attention_mask"), labels)
+        batch = rows_of(tree, input_ids, kwargs.get("attention_mask"), labels)
         if batch.empty:  # nothing labelled: TRL's forward gives the zeros, connected to the model
             return original(fused_lm_head=True, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
         return tree_fused_outputs(tree, self, batch, input_ids.shape, labels, num_items_in_batch, head_outputs,
@@ -54,14 +54,17 @@ def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[s
     causal_lm.forward = types.MethodType(forward, causal_lm)
 
 
-def _rows_of(trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> SFTRows:
+def rows_of(trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> SFTRows:
     """The batch's ``SFTRows``, kept for the next call on the very same tensors: DPO's reference
     call follows the policy's on them, and rebuilding the rows would read the ids back from the GPU,
-    waiting there for the policy's queued forward (the GPU then idles while the host lays them out)."""
+    waiting there for the policy's queued forward (the GPU then idles while the host lays them out).
+    Labels made again from the same ids (DPO's one-pass step builds them before stock's reference
+    call does) are compared by value: that call comes first in its step, nothing queued to wait for."""
     tensors = (input_ids, attention_mask, labels)
     versions = tuple(None if t is None else t._version for t in tensors)  # unchanged in place since
     cached = getattr(trainer, "_tree_rows_cache", None)
-    if cached is not None and all(a is b for a, b in zip(cached[0], tensors)) and cached[1] == versions:
+    if (cached is not None and all(a is b for a, b in zip(cached[0][:2], tensors[:2])) and cached[1][:2] == versions[:2]
+            and (cached[0][2] is labels and cached[1][2] == versions[2] or torch.equal(cached[0][2], labels))):
         return cached[2]
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": mask, "labels": labels},
@@ -82,13 +85,16 @@ def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels
     if policy and torch.is_grad_enabled():
         trainer._log_forests(forests)
     layout = (shape[0], shape[1] - 1)
-    mask = batch.mask
-
-    def place(grid: torch.Tensor) -> torch.Tensor:
-        return batch.to_batch(grid * mask.to(grid.dtype) if grid.dtype != torch.bool else grid & mask.bool(), layout)
-
-    log_probs = place(logps)
+    log_probs = place_on_batch(batch, logps, layout)
     label_mask = labels[:, 1:] != -100
     loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place(entropies),
-                               label_mask=label_mask, **{name: place(extra[name]) for name in head_outputs})
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place_on_batch(batch, entropies, layout),
+                               label_mask=label_mask,
+                               **{name: place_on_batch(batch, extra[name], layout) for name in head_outputs})
+
+
+def place_on_batch(batch: SFTRows, grid: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
+    """A rows' grid of scores, masked, in the batch's ``(B, L - 1)`` layout where TRL's fused head puts
+    its outputs (differentiable)."""
+    mask = batch.mask
+    return batch.to_batch(grid * mask.to(grid.dtype) if grid.dtype != torch.bool else grid & mask.bool(), layout)
