@@ -221,7 +221,8 @@ def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
 
     runs = {"dpo_stock": (DPOTrainer, DPOConfig, {}), "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
-            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs"})}
+            # dfs in one pass (units of whole trees: dpo_walk), past DDP's forward
+            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs", "tree_memory_budget": 1 << 30})}
     for run, (trainer_cls, config_cls, tree) in runs.items():
         model, ref = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) for _ in range(2))
         args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2},

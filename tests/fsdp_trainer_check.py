@@ -104,7 +104,8 @@ def main_offline(out_dir: str) -> None:
         with launcher_precision("no"):  # fsdp2.yaml says bf16; the arguments take it: these runs are float64
             args = config_cls(output_dir=os.path.join(out_dir, f"dpo-{mode}"), per_device_train_batch_size=2, **common,
                               model_init_kwargs={"dtype": torch.float64},
-                              **({} if mode == "off" else {"tree_mode": mode}))
+                              **({} if mode == "off" else {"tree_mode": mode}),
+                              **({"tree_memory_budget": 1 << 30} if mode == "dfs" else {}))  # one pass
             trainer = trainer_cls(model=dpo_checkpoint, args=args, train_dataset=pairs(8),
                                   processing_class=sft_tokenizer())
             trainer.train()
