@@ -211,8 +211,8 @@ def main_sft(out_dir: str) -> None:
 
 
 def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
-    """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward; dfs: past DDP's
-    forward, the gradients averaged by hand) on two ranks."""
+    """Stock DPOTrainer and TreeDPOTrainer (packed: the tree inside DDP's forward; dfs and CUDA graphs:
+    past DDP's forward, the gradients averaged by hand) on two ranks."""
     from sft_harness import sft_tokenizer
     from test_dpo_trainer import pairs
     from transformers import AutoModelForCausalLM
@@ -222,7 +222,10 @@ def main_dpo(out_dir: str, checkpoint: str, common: dict) -> None:
 
     runs = {"dpo_stock": (DPOTrainer, DPOConfig, {}), "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
             # dfs in one pass (units of whole trees: dpo_walk), past DDP's forward
-            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs", "tree_memory_budget": 1 << 30})}
+            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs", "tree_memory_budget": 1 << 30}),
+            # graphs: the policy's call past DDP (a replayed backward runs none of its hooks), averaged by hand
+            "dpo_graphs": (TreeDPOTrainer, TreeDPOConfig, {"tree_cuda_graphs": True})}
+    graphs.CPU_STAND_IN = graphs.EagerReplay
     for run, (trainer_cls, config_cls, tree) in runs.items():
         model, ref = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) for _ in range(2))
         args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2},

@@ -49,14 +49,14 @@ def test_sft_two_processes_agree_and_the_tree_equals_stock(launched):
 
 
 def test_dpo_two_processes_agree_and_the_tree_equals_stock(launched):
-    """TreeDPOTrainer under DDP (packed: the tree inside DDP's forward; dfs: past it, the gradients
-    averaged by hand): stock DPOTrainer's update on both ranks."""
-    modes = ("stock", "packed", "dfs")
+    """TreeDPOTrainer under DDP (packed: the tree inside DDP's forward; dfs and CUDA graphs: past it,
+    the gradients averaged by hand): stock DPOTrainer's update on both ranks."""
+    modes = ("stock", "packed", "dfs", "graphs")
     runs = {(m, r): torch.load(launched / f"dpo_{m}_rank{r}.pt") for m in modes for r in (0, 1)}
     for mode in modes:
         for name, p in runs[(mode, 0)].items():
             assert torch.equal(p, runs[(mode, 1)][name]), f"{mode}: ranks disagree on {name}"
-    for mode in ("packed", "dfs"):
+    for mode in modes[1:]:
         for name, p in runs[("stock", 0)].items():
             q = runs[(mode, 0)][name]
             # the fused head computes in fp32 inside either way: the updates agree to ~1e-7 of their size

@@ -44,12 +44,12 @@ def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_
     return params, trainer.state.log_history
 
 
-def compare(checkpoint, tree=None, **config):
-    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, **config)
-    treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, **config, **(tree or {}))
+def compare(checkpoint, tree=None, data=None, **config):
+    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, data, **config)
+    treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, data, **config, **(tree or {}))
     start = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).named_parameters())
     assert_same_update(stock, treed, start)  # the updates, not the parameters they move
-    for step in (0, 1):
+    for step in range(config.get("max_steps", 2)):
         for key in LOGGED:
             if key in stock_log[step]:
                 assert tree_log[step][key] == pytest.approx(stock_log[step][key], rel=1e-5, abs=1e-6), (step, key)
@@ -112,7 +112,6 @@ def test_one_pass_walk_matches_stock(checkpoint, monkeypatch, case):
     """dfs in one pass (``dpo_walk``): each unit back-propagates its pairs' loss — stock's, on the
     unit's log-probs — as it scores them; no scoring pass first (spied: the walk never falls back)."""
     from trl_tree import engine
-
     from trl_tree.trainers import dpo
 
     fallbacks, one_pass = [], []
@@ -159,7 +158,22 @@ def test_evaluation_runs_through_the_tree(checkpoint):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 
-REFUSED = {"activation_offloading": {"activation_offloading": True}, "tree_cuda_graphs": {"tree_cuda_graphs": True}}
+REFUSED = {"activation_offloading": {"activation_offloading": True}}
+
+
+def test_cuda_graphs_replay_the_policy_call(checkpoint, monkeypatch):
+    """``tree_cuda_graphs=True``: the same pairs every step, so from the second the policy's packed call
+    replays its captured graphs (the CPU stand-in), the head's argmax and mean logit included (DPO's
+    metrics); the update and every logged number are stock's."""
+    from trl_tree import graphs
+
+    monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
+    captures = []
+    capture = graphs.GraphRunner.capture
+    monkeypatch.setattr(graphs.GraphRunner, "capture",
+                        lambda self, *a, **k: captures.append(1) or capture(self, *a, **k))
+    compare(checkpoint, tree={"tree_cuda_graphs": True}, data=pairs(4), max_steps=3)
+    assert captures
 
 
 @pytest.mark.parametrize("option", list(REFUSED))

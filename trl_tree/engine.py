@@ -175,8 +175,7 @@ def _score(
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
     # by hooks: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and not runs_as_padded_batch(parts, forest)
-            and not parts.length_dependent_rope and parts.router is None and parts.value_head is None
-            and not parts.head_outputs):  # the replayed head computes only log-probs and entropies
+            and not parts.length_dependent_rope and parts.router is None and parts.value_head is None):
         backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=True,
                                            **attention_features(parts.causal_lm.config))
@@ -308,7 +307,8 @@ def tree_logprobs(
     last: ``(logps, values)`` or ``(logps, entropies, values)``. ``head_outputs``: by-products of
     TRL's fused head per scored token, returned last in the order named: ``"is_top1"`` (bool: the
     target is the head's most likely token; SFT's token accuracy), ``"mean_logits"`` (DPO's
-    ``logits/*``), ``"log_sum_sq_probs"`` (WPO's weights); calls that ask for them replay no CUDA graph.
+    ``logits/*``), ``"log_sum_sq_probs"`` (WPO's weights); a packed call with grad replays them from
+    its CUDA graph like the log-probs, a walk's units that compute them replay none.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_logprobs", FORWARD_KNOBS)
     logp, ent, values, plan, extra = _forward_scores(model, seqs, mode, opts, temperature, return_entropy,
@@ -449,7 +449,8 @@ def tree_backward(
     gradients). The return value is then the sum of that one call's terms. ``head_outputs``: the
     head's by-products of :func:`tree_logprobs` (``"is_top1"``, ``"mean_logits"``,
     ``"log_sum_sq_probs"``), handed to ``token_loss`` as keywords of those names (constants: a
-    loss's metrics, WPO's weights); a walk that hands them over replays no CUDA graph.
+    loss's metrics, WPO's weights); a packed call replays them from its CUDA graph, a walk that hands
+    them over replays none.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_backward", BACKWARD_KNOBS)
     return _backward(model, seqs, token_loss, mode, opts, temperature, score_from, rope_length, lm_head_fp32, router,

@@ -13,7 +13,8 @@ node, key and prediction counts, the kernels' maximum lengths, the root split's 
 temperature, the model's training/adapter state): two graphs sharing one memory pool.
 
 - forward: the packed model call and TRL's fused head, from static input buffers (tokens, tree
-  metadata, prediction indices) to static log-probs (and entropies);
+  metadata, prediction indices) to static log-probs (and entropies, and the head's by-products a
+  call asks for: ``parts.head_outputs``, DPO's metrics);
 - backward: from static output-gradient buffers back into one gradient buffer per trainable
   parameter (the parameters' ``.grad`` are pointed at those buffers while it is captured).
 
@@ -218,7 +219,7 @@ class _GraphPair:
     pred_src: torch.Tensor
     targets: torch.Tensor
     meta: TreeAttentionMetadata
-    outputs: tuple = ()  # static (log-probs[, entropies]) the forward graph writes
+    outputs: tuple = ()  # static (log-probs[, entropies][, head by-products]) the forward graph writes
     live: tuple = ()  # the outputs of the latest forward run (the graph's, or the stand-in's)
     grad_outputs: tuple = ()  # static gradients of the outputs the backward graph reads
     forward: object = None
@@ -314,7 +315,8 @@ class GraphRunner:
         pair.forward = _new_graph(device, self.pool, self.stream)
         pair.outputs = tuple(pair.forward.capture(forward))
         if backward is not None:
-            if [(o.shape, o.dtype) for o in pair.outputs] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
+            scored = pair.outputs[: len(pair.grad_outputs)]  # the by-products after them take no gradient
+            if [(o.shape, o.dtype) for o in scored] != [(g.shape, g.dtype) for g in pair.grad_outputs]:
                 raise RuntimeError("cuda_graphs: the fused head's outputs are not fp32 [P]; cannot capture this call")
             pair.backward = _new_graph(device, self.pool, self.stream)
             pair.backward.capture(backward, runs_now=False)
@@ -381,7 +383,9 @@ class _ReplayedScores(torch.autograd.Function):
     def forward(ctx, runner: GraphRunner, pair, *inputs):
         ctx.runner, ctx.pair, ctx.num_inputs = runner, pair, len(inputs)
         ctx.generation = runner.replay_forward(pair)
-        return tuple(o.detach().clone() for o in pair.outputs)
+        out = tuple(o.detach().clone() for o in pair.outputs)
+        ctx.mark_non_differentiable(*out[len(pair.grad_outputs):])  # the head's by-products
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -471,7 +475,7 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
             "cuda_graphs=True with several processes takes the gradients with torch.autograd.grad (see "
             "graphs.GRADS_BY_AUTOGRAD_GRAD), which reentrant gradient checkpointing does not support; use "
             "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default) or cuda_graphs=False")
-    state = (backend, with_entropy, float(temperature), keep, checkpointing,
+    state = (backend, (with_entropy, *parts.head_outputs), float(temperature), keep, checkpointing,
              torch.is_autocast_enabled(parts.device.type), _module_state(runner.modules, runner.adapters))
     inputs = (tokens, pred_src, targets, meta)
     signature = (*state, forest.num_unique_tokens, plan.num_predictions, _layout_signature(meta))
@@ -499,6 +503,8 @@ def graphed_scores(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, b
         _copy_layout(pair.meta, inputs[3])
     out = _ReplayedScores.apply(runner, pair, *runner.params)
     P = plan.num_predictions  # a bucket's padded predictions are cut off here (their gradient is zero)
+    for kept, extra in zip(parts.head_outputs.values(), out[len(pair.grad_outputs):]):
+        kept.append(extra[:P])  # where the eager head leaves its by-products
     return out[0][:P], (out[1][:P] if with_entropy else None)
 
 
@@ -530,7 +536,8 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
         with _swapped_in(slots, pair.views):
             hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)
             logp, ent = score_predictions(hidden, parts, pair.pred_src, pair.targets, temperature, with_entropy)
-        pair.live = (logp, ent) if with_entropy else (logp,)
+        extra = tuple(kept.pop() for kept in parts.head_outputs.values())  # static outputs, not the caller's
+        pair.live = ((logp, ent) if with_entropy else (logp,)) + extra
         if pair.outputs:  # a stand-in's rerun: leave the values where a graph's replay would
             for static, new in zip(pair.outputs, pair.live):
                 static.detach().copy_(new.detach())

@@ -4,11 +4,12 @@
 
 Each DPO shape (``workloads.dpo_shapes``) is one micro-batch of pairs (``four_pairs_dataset``: a
 dataset of four micro-batches, trained in TRL's order and with ``tree_shuffle="groups"``, mode
-``tree+groups``), trained by stock
-``DPOTrainer`` (its padded batch of chosen and rejected rows, sdpa) and by ``TreeDPOTrainer``
-(packed, dfs): the training step without the optimizer (``Trainer.training_step``: the reference's
-forward, the policy's forward, loss and backward), CUDA-synchronised, median after the first step;
-gradient checkpointing on, SGD. The FLOP limit counts the policy's forward and backward and the
+``tree+groups``), trained by stock ``DPOTrainer`` (its padded batch of chosen and rejected rows,
+sdpa) and by ``TreeDPOTrainer`` (packed, dfs; ``+compile``: compiled layers, ``stock+compile``
+TRL's step on them; ``+graphs``: the policy's packed call replayed from CUDA graphs): the training
+step without the optimizer (``Trainer.training_step``: the reference's forward, the policy's
+forward, loss and backward), CUDA-synchronised, median after the first step; gradient
+checkpointing on, SGD. The FLOP limit counts the policy's forward and backward and the
 reference's forward (``cost_model.step_flops``), stock's real tokens over the tree's.
 """
 
@@ -67,10 +68,13 @@ def run_mode(mode: str, rows: list[dict], config, steps: int, micro_batch: int |
     # text ending in a space (TRL joins prompt and answer, and answer and EOS, without one)
     data = Dataset.from_list([{key: "".join(f"t{i} " for i in r[f"{key}_ids"]) for key in ("prompt", "chosen",
                                                                                           "rejected")} for r in rows])
-    mode, _, shuffle = mode.partition("+")  # tree+groups: tree_shuffle="groups"
-    if mode.startswith("tree"):
-        args = TreeDPOConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed",
-                             tree_shuffle="groups" if shuffle == "groups" else "rows")
+    # tree+groups: tree_shuffle="groups"; +compile: compiled layers (stock+compile: TRL's step on them);
+    # tree+graphs: tree_cuda_graphs
+    mode, _, option = mode.partition("+")
+    if mode.startswith("tree") or option == "compile":
+        tree_mode = "off" if mode == "stock" else "dfs" if mode == "tree_dfs" else "packed"
+        args = TreeDPOConfig(**common, tree_mode=tree_mode, tree_shuffle="groups" if option == "groups" else "rows",
+                             tree_compile_layers=option == "compile", tree_cuda_graphs=option == "graphs")
         trainer = TreeDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
                                  processing_class=bench_tokenizer(config.vocab_size))
     else:
@@ -130,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["speedup_per_limit"] = round(stock / tree / limit, 3)
             elif tree and stock:
                 row[mode]["speedup"] = round(stock / tree, 3)
+                if limit:
+                    row[mode]["speedup_per_limit"] = round(stock / tree / limit, 3)
+        compiled = row.get("tree+compile", {}).get("step_ms"), row.get("stock+compile", {}).get("step_ms")
+        if all(compiled) and limit:  # compiled layers on both sides
+            row["tree+compile"]["speedup"] = round(compiled[1] / compiled[0], 3)
+            row["tree+compile"]["speedup_per_limit"] = round(compiled[1] / compiled[0] / limit, 3)
         results[name] = row
     print(results)
     dump(args.out, {"environment": environment(), "workload": {

@@ -9,6 +9,7 @@ unchanged on the tree's numbers.
 
 from __future__ import annotations
 
+import torch
 from peft import PeftModel
 from trl import DPOTrainer
 
@@ -72,19 +73,21 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
             loss = one_pass_loss(self, model, inputs, num_items_in_batch)
             if loss is not None:
                 return loss
+        if self._graphs_by_hand() and self.args.tree_mode == "packed" and torch.is_grad_enabled():
+            self._tree_sync_pending = True  # the replayed call runs past DDP: its gradients averaged below
         return super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._reduce_pending(model)
+        if self._tree_sync_pending:
+            self._tree_sync_pending = False
+            self._sync_gradients(self.accelerator.unwrap_model(model))
         return loss
 
     def _check_trainer_support(self) -> None:
-        args = self.args
         refusals = {
             "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
                 bool(getattr(self, "aux_loss_enabled", False)),
-            "tree_cuda_graphs (DPO's metrics need the head's argmax and mean logit, which a replayed graph does "
-            "not compute)": bool(args.tree_cuda_graphs),
         }
         self._refuse(refusals)

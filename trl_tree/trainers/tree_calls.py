@@ -114,14 +114,15 @@ class TreeCallsMixin:
 
     def _past_ddp(self, model):
         """The model a stock loss calls for the policy's fused head: with the two-pass backward (dfs,
-        ``tree_token_budget``) under DDP, the unwrapped one. Run through DDP's forward, its reducer
-        would wait for one gradient per parameter, which the engine's walk delivers many times over;
-        past it, the engine's backward averages the gradients itself (``_sync_gradients``), as the
-        SFT and GRPO trainers' calls, which never enter DDP's forward, always have."""
+        ``tree_token_budget``) or replayed CUDA graphs (``_graphs_by_hand``) under DDP, the unwrapped
+        one. Run through DDP's forward, its reducer would wait for one gradient per parameter, which
+        the engine's walk delivers many times over (and a replayed backward not at all); past it, the
+        gradients are averaged by hand (``_sync_gradients``), as the SFT and GRPO trainers' calls,
+        which never enter DDP's forward, always have."""
         from torch.nn.parallel import DistributedDataParallel
 
         two_pass = self.args.tree_mode == "dfs" or self.args.tree_token_budget is not None
-        if two_pass and isinstance(model, DistributedDataParallel):
+        if (two_pass or self._graphs_by_hand()) and isinstance(model, DistributedDataParallel):
             return self.accelerator.unwrap_model(model)
         return model
 
