@@ -66,10 +66,16 @@ LOSS_GROUPS = {
 
 
 @pytest.mark.parametrize("group", list(LOSS_GROUPS))
-def test_every_loss_type_matches_stock(checkpoint, group):
+def test_every_loss_type_matches_stock(checkpoint, monkeypatch, group):
+    """Packed: stock's loss on the tree's outputs, its metrics logged after the backward is queued
+    (``_loss_before_metrics``, spied) — every number as stock logs it."""
     losses = LOSS_GROUPS[group]
+    deferred = []
+    before = TreeDPOTrainer._loss_before_metrics
+    monkeypatch.setattr(TreeDPOTrainer, "_loss_before_metrics", lambda *a: deferred.append(1) or before(*a))
     compare(checkpoint, loss_type=losses, loss_weights=[1.0 / (k + 1) for k in range(len(losses))],
             label_smoothing=1e-3 if "exo_pair" in losses else 0.2 if "robust" in losses else 0.0)
+    assert len(deferred) == 2
 
 
 OPTIONS = {

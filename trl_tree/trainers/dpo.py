@@ -14,6 +14,7 @@ from peft import PeftModel
 from trl import DPOTrainer
 
 from .config import TreeDPOConfig, as_tree_config
+from .dpo_stock_loss import NON_MODEL_KEYS, OUTPUT_NAMES, stock_loss, takes_the_batch, with_reference
 from .dpo_walk import one_pass_loss, walks_in_one_pass
 from .fused_forward import install_tree_head
 from .tree_calls import TreeCallsMixin
@@ -75,14 +76,36 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
                 return loss
         if self._graphs_by_hand() and self.args.tree_mode == "packed" and torch.is_grad_enabled():
             self._tree_sync_pending = True  # the replayed call runs past DDP: its gradients averaged below
+        if self.args.tree_mode == "packed" and takes_the_batch(self, inputs, return_outputs):
+            return self._loss_before_metrics(self._past_ddp(model), inputs)
         return super().compute_loss(self._past_ddp(model), inputs, return_outputs, num_items_in_batch)
 
+    def _loss_before_metrics(self, model, inputs: dict) -> torch.Tensor:
+        """Packed: stock's loss on the tree's outputs, returned for its backward; its metrics, which
+        read numbers back from the GPU, are logged once that backward is queued (``training_step``).
+        Logged inside the loss as stock does, they would drain the GPU's queue between the forward
+        and the backward, and the backward's many small launches would then run with nothing queued
+        ahead of them."""
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        model_kwargs = {k: v for k, v in inputs.items() if k not in NON_MODEL_KEYS}
+        outputs = model(**model_kwargs, use_cache=False, labels=labels, fused_lm_head=True)
+        inputs = with_reference(self, inputs)
+        given = {name: getattr(outputs, name) for name in OUTPUT_NAMES if getattr(outputs, name, None) is not None}
+        loss = stock_loss(self, inputs, given, muted=True)
+        self._tree_metrics_pending = (inputs, {name: value.detach() for name, value in given.items()})
+        return loss
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._tree_metrics_pending = None
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._reduce_pending(model)
         if self._tree_sync_pending:
             self._tree_sync_pending = False
             self._sync_gradients(self.accelerator.unwrap_model(model))
+        if self._tree_metrics_pending is not None:  # stock's metrics of the loss above, as stock logs them
+            pending, self._tree_metrics_pending = self._tree_metrics_pending, None
+            with torch.no_grad():
+                stock_loss(self, *pending, muted=False)
         return loss
 
     def _check_trainer_support(self) -> None:

@@ -9,41 +9,31 @@ answers share their prompt, so they sit in one tree, and wherever the walk's uni
 it: the engine's ``tree_backward(coupled=...)`` hands each unit's terms to a loss that may couple
 them, and falls back to the two passes itself where a unit would split a pair.
 
-The loss a unit back-propagates is stock's own: TRL's ``_compute_loss`` runs on the unit's
-log-probs (the other pairs zero, which adds nothing to the unit's gradient: every loss here is a
-mean of per-pair terms, ``"sft"``'s token mean included) through a view of the trainer whose
-reference log-probs are the ones already computed (the reference runs first, as its log-probs
-enter every pair's loss) and whose metrics go nowhere — muted so that they cost neither a GPU sync
-nor a collective per unit. The gradient of that loss with respect to the unit's log-probs weights
-its tokens. After the walk, stock's loss runs once more on every log-prob for its value and its
-metrics, as stock logs them. ``aot`` and ``aot_unpaired`` sort the batch's margins (they couple all
-pairs) and keep the two passes.
+The loss a unit back-propagates is stock's own (``dpo_stock_loss``, muted: no GPU sync or collective
+per unit) on the unit's log-probs, the other pairs zero — which adds nothing to the unit's gradient,
+every loss here being a mean of per-pair terms (``"sft"``'s token mean included); the reference runs
+first, as its log-probs enter every pair's loss. The gradient of that loss with respect to the
+unit's log-probs weights its tokens. After the walk, stock's loss runs once more on every log-prob
+for its value and its metrics, as stock logs them. ``aot`` and ``aot_unpaired`` sort the batch's
+margins (they couple all pairs) and keep the two passes.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-from trl import DPOTrainer
 
-from .fused_forward import TREE_KWARGS, place_on_batch, rows_of
+from .dpo_stock_loss import stock_loss, takes_the_batch, with_reference
+from .fused_forward import place_on_batch, rows_of
 
 #: loss types that couple every pair of the micro-batch (they sort its margins)
 BATCH_COUPLED_LOSSES = ("aot", "aot_unpaired")
-#: what stock's ``_compute_loss`` keeps out of the model's call
-NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
 def walks_in_one_pass(trainer, inputs: dict, return_outputs: bool) -> bool:
     """Whether this micro-batch's dfs step can run in one pass (``one_pass_loss``): a training step
     of a loss made of per-pair terms, on a batch the tree takes as it is, without a loss scaler."""
-    args = trainer.args
-    keys = set(inputs) - NON_MODEL_KEYS
-    return (args.tree_mode == "dfs" and torch.is_grad_enabled() and trainer.model.training and not return_outputs
-            and not any(t in BATCH_COUPLED_LOSSES for t in trainer.loss_types)
-            and trainer.accelerator.scaler is None and args.n_gpu <= 1
-            and keys <= TREE_KWARGS and "input_ids" in keys and "attention_mask" in keys)
+    return (trainer.args.tree_mode == "dfs" and takes_the_batch(trainer, inputs, return_outputs)
+            and not any(t in BATCH_COUPLED_LOSSES for t in trainer.loss_types) and trainer.accelerator.scaler is None)
 
 
 def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor | None:
@@ -58,12 +48,7 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
     calls, forests = trainer._offline_layout(rows)
     if len(calls) != 1:
         return None
-    if trainer.precompute_ref_logps:
-        reference = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-    else:  # first: every pair's loss reads it (stock's code; the tree answers its call on the same rows)
-        ref_model = trainer.ref_model if trainer.ref_model is not None else trainer.model
-        reference = trainer.compute_ref_log_probs(ref_model, inputs)
-    inputs = {**inputs, "ref_chosen_logps": reference[0], "ref_rejected_logps": reference[1]}
+    inputs = with_reference(trainer, inputs)  # first: every pair's loss reads it (the tree answers, same rows)
     layout = (ids.shape[0], ids.shape[1] - 1)
     head_outputs = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
     kept = _Kept(rows.shape, head_outputs, rows.rows.device)
@@ -93,15 +78,6 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
     outputs = {name: place_on_batch(batch, grid, layout) for name, grid in kept.grids.items()}
     outputs["log_probs"] = outputs["log_probs"].detach().requires_grad_()  # back-propagated already: a leaf
     return _ScaleCheck.apply(stock_loss(trainer, inputs, outputs, muted=False), scale)
-
-
-def stock_loss(trainer, inputs: dict, outputs: dict, muted: bool) -> torch.Tensor:
-    """TRL's ``DPOTrainer._compute_loss`` on given per-token outputs (``log_probs``, and what else the
-    fused head gives: ``entropy``, ``mean_logits``, ``is_top1``, ``log_sum_sq_probs``) with the
-    reference log-probs in ``inputs``; ``muted``: its metrics go nowhere (absent outputs read as
-    nothing) and cost no GPU sync or collective."""
-    view = _StockView(trainer, muted)
-    return DPOTrainer._compute_loss(view, _GivenOutputs(outputs, muted), inputs, False)
 
 
 class _Kept:
@@ -151,69 +127,3 @@ class _ScaleCheck(torch.autograd.Function):
         return None, None
 
 
-class _GivenOutputs:
-    """Stands for the policy in stock's loss: its fused-head call returns the given outputs."""
-
-    def __init__(self, outputs: dict, muted: bool) -> None:
-        absent = _Nothing() if muted else None
-        self.outputs = type("Outputs", (), {name: outputs.get(name, absent) for name in
-                                            ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")})
-
-    def __call__(self, *args, **kwargs):
-        return self.outputs
-
-
-class _StockView:
-    """The trainer as stock's ``_compute_loss`` reads it: reference log-probs precomputed (they are in
-    the inputs); ``muted``, metrics and token counts into a scratch dict and gathers answered by
-    nothing."""
-
-    def __init__(self, trainer, muted: bool) -> None:
-        own = {"precompute_ref_logps": True}
-        if muted:
-            own.update(_metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0,
-                       accelerator=_MutedAccelerator(trainer.accelerator))
-        object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_own", own)
-
-    def __getattr__(self, name):
-        own = object.__getattribute__(self, "_own")
-        return own[name] if name in own else getattr(object.__getattribute__(self, "_trainer"), name)
-
-    def __setattr__(self, name, value):
-        if name in self._own:
-            self._own[name] = value
-        else:
-            setattr(self._trainer, name, value)
-
-
-class _MutedAccelerator:
-    def __init__(self, accelerator) -> None:
-        self.device = accelerator.device
-
-    def gather(self, tensor):
-        return _Nothing()
-
-    gather_for_metrics = gather
-
-
-class _Nothing:
-    """A metric nobody reads: every operation gives nothing, ``item()`` 0 and comparisons False."""
-
-    def __getitem__(self, key):
-        return self
-
-    def chunk(self, chunks, dim=0):
-        return (self,) * chunks
-
-    def item(self):
-        return 0
-
-    def __gt__(self, other):
-        return False
-
-    def _self(self, *args, **kwargs):
-        return self
-
-    detach = sum = mean = float = bool = _self
-    __mul__ = __rmul__ = __truediv__ = __and__ = __sub__ = __add__ = _self

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._device import upload
+
 
 @dataclass
 class PaddedRows:
@@ -109,7 +111,7 @@ class PaddedRows:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         order = [i for call in calls for i in call]
         take = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]) if order else np.zeros(0)
-        take = torch.from_numpy(take.astype(np.int64)).to(self.rows.device)
+        (take,) = upload([take], torch.int64, self.rows.device)  # no wait for the queued forward
         return self.rows.index_select(0, take), self.cols.index_select(0, take)
 
     def call_terms(self, call: list[int]):
@@ -118,8 +120,8 @@ class PaddedRows:
         pass needs to read per-token weights ``grad[where][index(seq_idx, pos)]``)."""
         seqs, score_from = self.subset(call)
         counts = [len(s) - f for s, f in zip(seqs, score_from)]
-        offsets = torch.tensor([0] + counts[:-1], device=self.rows.device).cumsum(0)
-        first = torch.tensor([f - 1 for f in score_from], device=self.rows.device)
+        offsets, first = upload([np.cumsum([0] + counts[:-1]), [f - 1 for f in score_from]], torch.int64,
+                                self.rows.device)
 
         def index(seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             return offsets[seq_idx] + pos - first[seq_idx]

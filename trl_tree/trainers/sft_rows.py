@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._device import upload
 from .rows import PaddedRows
 
 
@@ -87,12 +88,18 @@ class SFTRows:
         """A ``(samples, scored)`` grid (masked: zero where stock scores nothing) in the batch's
         ``(B, L - 1)`` next-token layout, zeros elsewhere — where TRL's fused head puts its outputs.
         Differentiable (``index_put`` on zeros)."""
-        counts = self.rows.scored_counts
-        device = grid.device
-        rows = torch.from_numpy(np.repeat(self.batch_rows, counts)).to(device)
-        cols = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(self.batch_cols, counts)])).to(device)
         flat = grid[self.rows.rows, self.rows.cols]
-        return flat.new_zeros(shape).index_put((rows, cols), flat)
+        return flat.new_zeros(shape).index_put(self._batch_index(grid.device), flat)
+
+    def _batch_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each scored cell's ``(row, column)`` in the batch layout, uploaded once per batch without
+        waiting for the GPU (a plain ``.to(device)`` would, between a forward and its loss)."""
+        cached = getattr(self, "_index", None)
+        if cached is None or cached[0].device != device:
+            counts = self.rows.scored_counts
+            cols = np.concatenate([c + np.arange(n) for c, n in zip(self.batch_cols, counts)])
+            cached = self._index = tuple(upload([np.repeat(self.batch_rows, counts), cols], torch.int64, device))
+        return cached
 
 
 def _padded_spans(attention_mask: np.ndarray, name: str) -> list[tuple[int, int, int]]:
