@@ -1,7 +1,8 @@
 """``tree_backward(coupled=...)``: a loss on whole sequences (DPO's, on each pair's summed
 log-probs) computed unit by unit where the walk keeps every pair in one unit (one pass), and from
 a scoring walk's gradients where it does not (two passes) — both against autograd on the untreed
-sequences, in fp32. ``head_outputs`` reach the loss as keywords."""
+sequences, in fp32. ``head_outputs`` (the entropy among them, as a constant) reach the loss as
+keywords."""
 
 from __future__ import annotations
 
@@ -88,13 +89,16 @@ def test_the_loss_gets_the_head_outputs():
     model = tiny_model("qwen2", seed=3)
     seqs, score_from = _pairs_data(1)
     with torch.no_grad():
-        _, mean, top1 = tree_logprobs(model, seqs, "dfs", score_from=score_from,
-                                      head_outputs=("mean_logits", "is_top1"))
+        _, ent, mean, top1 = tree_logprobs(model, seqs, "dfs", score_from=score_from, return_entropy=True,
+                                           head_outputs=("mean_logits", "is_top1"))
     for mode, options in (("packed", None), ("dfs", WHOLE_TREES), ("dfs", TreeOptions(chunk_size=5))):
         seen = []
         tree_backward(model, seqs, _pair_loss(len(seqs), seen), mode, options=options,
                       score_from=score_from, coupled=np.arange(len(seqs)) // 2,
-                      head_outputs=("mean_logits", "is_top1"))
+                      head_outputs=("mean_logits", "is_top1", "entropy"))
+        got_ent = torch.cat([s["entropy"] for s in seen])
+        assert not got_ent.requires_grad  # a constant, unlike with_entropy's
+        torch.testing.assert_close(got_ent.sort().values, torch.cat(ent).sort().values, rtol=1e-5, atol=1e-5)
         got_mean = torch.cat([s["mean_logits"] for s in seen])
         got_top1 = torch.cat([s["is_top1"] for s in seen])
         assert got_top1.dtype == torch.bool and got_mean.shape == got_top1.shape

@@ -57,6 +57,9 @@ from .router import RouterAux
 MODES = ("packed", "dfs", "auto")
 #: what ``tree_logprobs(head_outputs=...)`` can return besides log-probs and entropies
 HEAD_OUTPUTS = ("is_top1", "mean_logits", "log_sum_sq_probs")
+#: and what ``tree_backward(head_outputs=...)`` can hand its loss: the entropies too, as constants (a
+#: metric: unlike ``with_entropy``, no gradient flows through them)
+BACKWARD_HEAD_OUTPUTS = HEAD_OUTPUTS + ("entropy",)
 
 
 def _check_mode(mode: str) -> None:
@@ -448,9 +451,9 @@ def tree_backward(
     call of ``token_loss`` on all the terms, and walks with those gradients (two passes; the same
     gradients). The return value is then the sum of that one call's terms. ``head_outputs``: the
     head's by-products of :func:`tree_logprobs` (``"is_top1"``, ``"mean_logits"``,
-    ``"log_sum_sq_probs"``), handed to ``token_loss`` as keywords of those names (constants: a
-    loss's metrics, WPO's weights); a packed call replays them from its CUDA graph, a walk that hands
-    them over replays none.
+    ``"log_sum_sq_probs"``) and ``"entropy"``, handed to ``token_loss`` as keywords of those names
+    (constants: a loss's metrics, WPO's weights; ``with_entropy`` is the differentiable entropy); a
+    packed call replays them from its CUDA graph, a walk that hands them over replays none.
     """
     opts = merge_deprecated(options, deprecated_knobs, "tree_backward", BACKWARD_KNOBS)
     return _backward(model, seqs, token_loss, mode, opts, temperature, score_from, rope_length, lm_head_fp32, router,
@@ -487,7 +490,7 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
     """:func:`tree_backward` and :func:`tree_value_backward`."""
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable, got {type(token_loss).__name__}")
-    _check_head_outputs(head_outputs, values_only)
+    _check_head_outputs(head_outputs, values_only, BACKWARD_HEAD_OUTPUTS)
     parts, forest, mode, opts, plan = _prepared_call(model, seqs, mode, opts, temperature, score_from, rope_length,
                                                      lm_head_fp32, router, value_head, values_only)
     parts.head_outputs = {name: [] for name in head_outputs}
@@ -536,10 +539,11 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
     return total
 
 
-def _check_head_outputs(head_outputs: tuple[str, ...], values_only: bool) -> None:
-    unknown = [name for name in head_outputs if name not in HEAD_OUTPUTS]
+def _check_head_outputs(head_outputs: tuple[str, ...], values_only: bool, known: tuple[str, ...] = HEAD_OUTPUTS
+                        ) -> None:
+    unknown = [name for name in head_outputs if name not in known]
     if unknown:
-        raise ValueError(f"head_outputs: {unknown} are not among {HEAD_OUTPUTS}")
+        raise ValueError(f"head_outputs: {unknown} are not among {known}")
     if head_outputs and values_only:
         raise ValueError("head_outputs asks the LM head, which a value-only call does not run")
 

@@ -91,7 +91,8 @@ def score_rows(
 
 
 def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, with_entropy: bool):
-    outputs = (("entropy",) if with_entropy else ()) + tuple(parts.head_outputs)
+    # the entropy may be asked twice: differentiable (with_entropy) and as a by-product (a constant)
+    outputs = tuple(dict.fromkeys((("entropy",) if with_entropy else ()) + tuple(parts.head_outputs)))
     out = ChunkedLogProbFunction.apply(
         src,
         weight,
@@ -104,5 +105,5 @@ def _apply(src, weight, bias, parts: ModelParts, targets, temperature: float, wi
         outputs,
     )
     for name, kept in parts.head_outputs.items():  # the head's by-products, kept for the caller
-        kept.append(out[1 + OPTIONAL_OUTPUTS.index(name)])
+        kept.append(out[1 + OPTIONAL_OUTPUTS.index(name)].detach())
     return out[0], (out[1] if with_entropy else None)

@@ -274,7 +274,11 @@ class DepthFirstWalk:
         elif head is not None:
             self.stack.release()  # the head call below is then the only thing alive besides the gradients
         if head is not None:
-            head.backward(self.parts, self.all_targets, self.temperature)
+            kept, self.parts.head_outputs = self.parts.head_outputs, {}  # the units scored every by-product
+            try:
+                head.backward(self.parts, self.all_targets, self.temperature)
+            finally:
+                self.parts.head_outputs = kept
         return float(total)
 
     def _replayed_unit(self, replay: UnitReplay, u: int, token_loss: Callable, head: _DeferredHead | None,

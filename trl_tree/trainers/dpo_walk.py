@@ -50,15 +50,16 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
         return None
     inputs = with_reference(trainer, inputs)  # first: every pair's loss reads it (the tree answers, same rows)
     layout = (ids.shape[0], ids.shape[1] - 1)
-    head_outputs = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
+    # the metrics' entropy as a constant: a differentiable one would add its gradient's work to the head
+    head_outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
     kept = _Kept(rows.shape, head_outputs, rows.rows.device)
     scale = _gradient_scale(trainer, num_items_in_batch)
 
     def make_loss(where, term_index):
-        def token_loss(lp, seq_idx, pos, ent, **extra):
+        def token_loss(lp, seq_idx, pos, **extra):
             idx = term_index(seq_idx, pos)
             cells = (where[0][idx], where[1][idx])
-            kept.record(cells, lp, ent, extra)
+            kept.record(cells, lp, extra)
             leaf = lp.detach().requires_grad_()
             outputs = {"log_probs": place_on_batch(batch, leaf.new_zeros(rows.shape).index_put(cells, leaf), layout)}
             if "log_sum_sq_probs" in extra:  # WPO's weights (constants)
@@ -74,7 +75,7 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
     call_kwargs = {**trainer._call_kwargs(ids.shape[1]), "coupled": (batch.batch_rows % (ids.shape[0] // 2))[calls[0]],
                    "head_outputs": head_outputs}
     trainer._walk_calls(trainer.accelerator.unwrap_model(model), rows, calls, forests, make_loss,
-                        {**trainer._mode_kwargs(), **call_kwargs}, with_entropy=True)
+                        {**trainer._mode_kwargs(), **call_kwargs})
     outputs = {name: place_on_batch(batch, grid, layout) for name, grid in kept.grids.items()}
     outputs["log_probs"] = outputs["log_probs"].detach().requires_grad_()  # back-propagated already: a leaf
     return _ScaleCheck.apply(stock_loss(trainer, inputs, outputs, muted=False), scale)
@@ -89,8 +90,8 @@ class _Kept:
             dtype = torch.bool if name == "is_top1" else torch.float32
             self.grids[name] = torch.zeros(shape, dtype=dtype, device=device)
 
-    def record(self, cells, lp: torch.Tensor, ent: torch.Tensor, extra: dict) -> None:
-        given = {"log_probs": lp, "entropy": ent, **extra}
+    def record(self, cells, lp: torch.Tensor, extra: dict) -> None:
+        given = {"log_probs": lp, **extra}
         for name, grid in self.grids.items():
             if grid.dtype != given[name].dtype and grid.dtype != torch.bool:
                 self.grids[name] = grid = grid.to(given[name].dtype)  # the model's (fp64 in the tests)
