@@ -52,8 +52,8 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
                 bool(args.use_liger_kernel),
             "activation_offloading (its hooks on saved tensors are not verified with the tree's backward)":
                 bool(args.activation_offloading),
-            "tree_cuda_graphs (SFT's token accuracy needs the head's argmax, which a replayed graph does not "
-            "compute)": bool(args.tree_cuda_graphs),
+            "tree_cuda_graphs (not built for SFT's trainer yet; the DPO and RL trainers take it)":
+                bool(args.tree_cuda_graphs),
             "train_sampling_strategy='group_by_length' together with tree_shuffle='groups' (both choose which "
             "samples meet)": args.tree_shuffle == "groups"
             and getattr(args, "train_sampling_strategy", None) == "group_by_length",
