@@ -552,7 +552,7 @@ def _head_outputs_per_term(parts: ModelParts, plan: ScoringPlan, logp: torch.Ten
     """A packed call's head by-products (per prediction, as scored) spread over its terms."""
     if not parts.head_outputs:
         return {}
-    gather = torch.from_numpy(plan.gather).to(logp.device)
+    (gather,) = upload([plan.gather], torch.int64, logp.device)  # after the forward: without waiting for it
     return {name: torch.cat(kept).index_select(0, gather) for name, kept in parts.head_outputs.items()}
 
 

@@ -52,20 +52,22 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
     layout = (ids.shape[0], ids.shape[1] - 1)
     # the metrics' entropy as a constant: a differentiable one would add its gradient's work to the head
     head_outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
-    kept = _Kept(rows.shape, head_outputs, rows.rows.device)
+    kept = _Kept(rows.shape)
     scale = _gradient_scale(trainer, num_items_in_batch)
 
     def make_loss(where, term_index):
         def token_loss(lp, seq_idx, pos, **extra):
             idx = term_index(seq_idx, pos)
             cells = (where[0][idx], where[1][idx])
-            kept.record(cells, lp, extra)
+            kept.record(cells, {"log_probs": lp, **extra})
+
+            def on_batch(values: torch.Tensor) -> torch.Tensor:  # the unit's terms, the other pairs zero
+                return place_on_batch(batch, values.new_zeros(rows.shape).index_put(cells, values), layout)
+
             leaf = lp.detach().requires_grad_()
-            outputs = {"log_probs": place_on_batch(batch, leaf.new_zeros(rows.shape).index_put(cells, leaf), layout)}
+            outputs = {"log_probs": on_batch(leaf)}
             if "log_sum_sq_probs" in extra:  # WPO's weights (constants)
-                outputs["log_sum_sq_probs"] = place_on_batch(
-                    batch, extra["log_sum_sq_probs"].new_zeros(rows.shape).index_put(cells, extra["log_sum_sq_probs"]),
-                    layout)
+                outputs["log_sum_sq_probs"] = on_batch(extra["log_sum_sq_probs"])
             (grad,) = torch.autograd.grad(stock_loss(trainer, inputs, outputs, muted=True), leaf)
             return lp * (grad * scale)
 
@@ -82,20 +84,19 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
 
 
 class _Kept:
-    """The walk's scores of every labelled cell of the rows' grid, for stock's final loss and metrics."""
+    """The walk's scores of every labelled cell of the rows' grid, for stock's final loss and metrics
+    (each grid made at the first unit, in the dtype the head gives it)."""
 
-    def __init__(self, shape, head_outputs: tuple[str, ...], device: torch.device) -> None:
-        self.grids = {"log_probs": torch.zeros(shape, device=device), "entropy": torch.zeros(shape, device=device)}
-        for name in head_outputs:
-            dtype = torch.bool if name == "is_top1" else torch.float32
-            self.grids[name] = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, shape) -> None:
+        self.shape = shape
+        self.grids: dict[str, torch.Tensor] = {}
 
-    def record(self, cells, lp: torch.Tensor, extra: dict) -> None:
-        given = {"log_probs": lp, **extra}
-        for name, grid in self.grids.items():
-            if grid.dtype != given[name].dtype and grid.dtype != torch.bool:
-                self.grids[name] = grid = grid.to(given[name].dtype)  # the model's (fp64 in the tests)
-            grid.index_put_(cells, given[name].detach().to(grid.dtype))
+    def record(self, cells, given: dict[str, torch.Tensor]) -> None:
+        for name, values in given.items():
+            grid = self.grids.get(name)
+            if grid is None:
+                grid = self.grids[name] = values.new_zeros(self.shape)
+            grid.index_put_(cells, values.detach())
 
 
 def _gradient_scale(trainer, num_items_in_batch) -> float:
