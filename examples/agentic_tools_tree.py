@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agentic_tree_", ignore_cleanup_errors=True) as workdir:
         _train(args, workdir)
@@ -179,7 +180,7 @@ def _train(args, workdir: str) -> None:
     rng = random.Random(1)
     rows = [{"prompt": question(), "seed": rng.randrange(10**6)} for _ in range(64)]
     config = TreeGRPOConfig(
-        output_dir=f"{workdir}/out",
+        output_dir=args.output_dir or f"{workdir}/out",
         tree_mode=args.mode,
         max_steps=args.steps,
         per_device_train_batch_size=2 * args.num_generations,
@@ -197,6 +198,8 @@ def _train(args, workdir: str) -> None:
     trainer = TreeGRPOTrainer(model=path, args=config, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, environment_factory=KeyValueStore)
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     # what sharing only the prompt would give: each group's prompt once, every completion whole
     env = KeyValueStore()
     text = tokenizer.apply_chat_template(question(), tools=[env.lookup], add_generation_prompt=True, tokenize=False)

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--token-budget", type=int, default=512, help="unique tokens of one micro-batch")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     # the tiny policy and the trainer's output (unless --output-dir) go, and leave, with this folder
@@ -53,7 +53,8 @@ def _train(args, workdir: str) -> None:
     from trl_tree import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
     from trl_tree.toy import build_tiny_policy, learning_line, toy_prompts
 
-    model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True)
+    # the letter task: its alphabet alone, which a random policy learns from fastest (toy.build_tiny_policy)
+    model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True, every_character=False)
     config = TreeAsyncGRPOConfig(
         output_dir=args.output_dir or os.path.join(workdir, "out"),
         tree_mode=args.mode,
@@ -79,6 +80,8 @@ def _train(args, workdir: str) -> None:
         rollout_worker=None if args.vllm_url else "local",
     )
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     logs = [h for h in trainer.state.log_history if h.get("reward") is not None]
     print(f"{learning_line([h['reward'] for h in logs])}; T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; "
           f"staleness max {max(h.get('sample/staleness_max') or 0 for h in logs):.0f}")

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--pairs-per-prompt", type=int, default=2, help="generated pairs sharing each prompt")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="dpo_tree_", ignore_cleanup_errors=True) as workdir:
@@ -66,6 +66,8 @@ def _train(args, workdir: str) -> None:
     )
     trainer = TreeDPOTrainer(model=model, args=config, train_dataset=data)
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
         ratio = sum(h.get("tree/total_tokens", 0) for h in logs) / max(sum(h.get("tree/unique_tokens", 0)

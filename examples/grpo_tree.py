@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--token-budget", type=int, default=None, help="tree_token_budget")
-    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     # the tiny policy and the trainer's output (unless --output-dir) go, and leave, with this folder
@@ -68,6 +68,8 @@ def _train(args, workdir: str) -> None:
         train_dataset=Dataset.from_dict({"prompt": toy_prompts(story_len=args.story_length)}),
     )
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "reward" in h]
         print(f"{learning_line([h['reward'] for h in logs])}; "

@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     # the tiny policy and the trainer's output (unless --output-dir) go, and leave, with this folder
@@ -37,7 +38,7 @@ def _train(args, workdir: str) -> None:
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreeGRPOConfig(
-        output_dir=os.path.join(workdir, "out"),
+        output_dir=args.output_dir or os.path.join(workdir, "out"),
         tree_mode=args.mode,
         max_steps=args.steps,
         per_device_train_batch_size=16,
@@ -60,6 +61,8 @@ def _train(args, workdir: str) -> None:
         peft_config=lora,
     )
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     print(f"{learning_line([h['reward'] for h in logs])}; kl {logs[-1].get('kl', 0):.4f}; "
           f"T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}")

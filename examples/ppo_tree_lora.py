@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--story-length", type=int, default=320, help="characters of each toy prompt's story")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     # the tiny policy and the trainer's output (unless --output-dir) go, and leave, with this folder
@@ -38,7 +39,7 @@ def _train(args, workdir: str) -> None:
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreePPOConfig(
-        output_dir=os.path.join(workdir, "out"),
+        output_dir=args.output_dir or os.path.join(workdir, "out"),
         tree_mode=args.mode,
         critic="adapter",
         max_steps=args.steps,
@@ -62,6 +63,8 @@ def _train(args, workdir: str) -> None:
         peft_config=lora,
     )
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "objective/scores" in h]
         print(f"{learning_line([h['objective/scores'] for h in logs])}; "

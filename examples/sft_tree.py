@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=128, help="generated conversations")
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--token-budget", type=int, default=None, help="tree_token_budget")
-    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--output-dir", default=None, help="save the trained model (or adapter) here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="sft_tree_", ignore_cleanup_errors=True) as workdir:
@@ -83,6 +83,8 @@ def _train(args, workdir: str) -> None:
     )
     trainer = TreeSFTTrainer(model=model, args=config, train_dataset=_load(args))
     trainer.train()
+    if args.output_dir:  # the trained weights (an adapter under PEFT), with the tokenizer
+        trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         ratio = sum(h.get("tree/total_tokens", 0) for h in logs) / max(sum(h.get("tree/unique_tokens", 0)

@@ -121,45 +121,22 @@ def test_staleness_occurs_bounded_and_old_log_probs_are_the_generating_policys(t
     assert versions == sorted(versions) and len(set(versions)) > 2
 
 
-def tool_tokenizer():
-    """The toy chat tokenizer with the characters a JSON tool call needs, and a ``response_template``
-    that parses ``<tool_call>{json}</tool_call>`` into ``tool_calls`` (the shape of TRL's Qwen3 one)."""
-    import re
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from trl_tree.tiny import TINY_CHARS
-    from trl_tree.toy import CHAT_TEMPLATE
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for ch in TINY_CHARS + "<>{}_[]":
-        vocab.setdefault(ch, len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
-    tok.chat_template = CHAT_TEMPLATE
-    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "a:", "fields": {
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": "{content}"}},
-        "content": {"close_pattern": re.escape(tok.eos_token) + r"|$", "content": "text"}}}
-    return tok
-
-
 def test_local_worker_runs_the_tool_loop(tmp_path):
     """TRL's tool loop through the local worker: a turn that calls a tool gets the tool's answer back
     as a message, the conversation goes on, and the samples train the generated turns, not the
-    tool's output (a generator scripted to call the tool first, then answer). The toy template renders
-    the tool-call turn back without its call, so stock's reconciler forks the history into a second
-    row (``fork_threshold_tokens=0``): the call trains in the first row, the answer in the second."""
+    tool's output (a generator scripted to call the tool first, then answer). The toy chat template
+    renders the tool-call turn back as it was generated (``<tool_call>`` JSON), so the history
+    need not fork; where a template changes it, stock's reconciler forks (``fork_threshold_tokens=0``)
+    and the call trains in the row it forked from — the assertions hold either way."""
     from accelerate import PartialState
     from datasets import Dataset
 
     from trl_tree.tiny import tiny_model
     from trl_tree.trainers.local_rollout import LocalRolloutWorker
 
-    tok = tool_tokenizer()
+    from trl_tree.toy import chat_tokenizer
+
+    tok = chat_tokenizer()
     model = tiny_model("qwen2", vocab_size=len(tok))
     looked_up = []
 

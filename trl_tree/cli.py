@@ -25,9 +25,14 @@ SUBCOMMANDS = {
 def _inspect(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trl-tree inspect", description=SUBCOMMANDS["inspect"] + ".", epilog=(
         "Columns read (the first set present): prompt_ids+completion_ids, input_ids (token ids); "
-        "prompt+completion, messages (chat), text (with --tokenizer). Rows sharing a prompt share its nodes."))
+        "prompt+completion, messages (chat), text (with --tokenizer). Rows sharing a prompt share its nodes. "
+        "Preference pairs (prompt_ids+chosen_ids+rejected_ids, prompt+chosen+rejected, chosen+rejected: DPO's "
+        "formats) are reported as TreeDPOTrainer trains them: micro-batches of pairs, in TRL's order and grouped."))
     parser.add_argument("file", help="a .jsonl/.json/.parquet file or a datasets directory (save_to_disk)")
-    parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory, for text or chat columns")
+    parser.add_argument("--tokenizer", default=None,
+                        help="for text or chat columns: a local tokenizer directory (e.g. saved by a tokenizer's "
+                        "save_pretrained, or a model directory), or 'tiny' for the package's character-level chat "
+                        "tokenizer (offline; it counts characters, not a real model's tokens)")
     parser.add_argument("--model", default="1.5b",
                         help="the model the prediction is for: 0.5b, 1.5b, 7b (Qwen2.5 shapes), or what "
                         "from_pretrained takes (a config.json, a model directory, a hub id: cache first)")
@@ -46,24 +51,29 @@ def _inspect(argv: list[str]) -> int:
     import dataclasses
     import json
 
-    from .inspection import InspectError, draw_forest, inspect, load_rows, load_tokenizer, sequences_from_rows
+    from .data_files import DataError
+    from .inspection import draw_forest, inspect, load_rows, load_tokenizer, pairs_from_rows, sequences_from_rows
 
     if args.per_turn and not args.sft:
         parser.error("--per-turn expands SFT conversations: add --sft")
     try:
         config, name = _model_config(args.model)
         rows = load_rows(args.file)[: args.limit]
+        if not rows:
+            raise DataError(f"{args.file} has no rows")
         if args.per_turn:
-            from .sft_data import expand_turns
-
-            rows = [sample for row in rows for sample in expand_turns(row)]
-        seqs, score_from = sequences_from_rows(rows, load_tokenizer(args.tokenizer))
+            rows = _per_turn(rows, args.file)
+        tokenizer = load_tokenizer(args.tokenizer)
+        pairs = pairs_from_rows(rows, tokenizer)
+        if pairs is not None:
+            return _inspect_sft(args, *pairs, config, name, pairs=True)
+        seqs, score_from = sequences_from_rows(rows, tokenizer)
         if args.sft:
             return _inspect_sft(args, seqs, score_from, config, name)
         report, forests = inspect(seqs, score_from, config, name, args.rows_per_forest, progress=not args.json)
         if args.png:
             draw_forest(forests[0], args.png)
-    except InspectError as e:
+    except DataError as e:
         print(f"trl-tree inspect: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -75,20 +85,38 @@ def _inspect(argv: list[str]) -> int:
     return 0
 
 
-def _inspect_sft(args, seqs, score_from, config, name) -> int:
+def _per_turn(rows: list[dict], path: str) -> list[dict]:
+    """``--per-turn``: each conversation as one sample per assistant turn (``sft_data.expand_turns``)."""
+    from .data_files import DataError
+    from .sft_data import expand_turns
+
+    samples = []
+    for i, row in enumerate(rows):
+        try:
+            samples += expand_turns(row)
+        except ValueError as e:
+            raise DataError(f"{path}, row {i}: {e}") from e
+    if not samples:
+        raise DataError(f"none of the {len(rows)} rows of {path} has an assistant turn after its first message: "
+                        "--per-turn makes one sample per assistant turn, so there is nothing to train")
+    return samples
+
+
+def _inspect_sft(args, seqs, score_from, config, name, pairs: bool = False) -> int:
     import json
     import statistics
 
     from .inspection import inspect_sft
 
     batch = args.rows_per_forest or 8
-    stock, grouped, ratios = inspect_sft(seqs, score_from, config, name, batch)
+    stock, grouped, ratios = inspect_sft(seqs, score_from, config, name, batch, pairs=pairs)
     if args.json:
         print(json.dumps({"trl_order": {**vars(stock), "dedup_ratio": stock.dedup_ratio},
                           "groups": {**vars(grouped), "dedup_ratio": grouped.dedup_ratio},
                           "groups_micro_batch_T_over_U": ratios}, indent=1))
         return 0
-    print(f"{len(seqs)} SFT samples in micro-batches of {batch}")
+    print(f"{len(seqs) // 2} preference pairs (chosen and rejected share their prompt) in micro-batches of {batch} "
+          "pairs" if pairs else f"{len(seqs)} SFT samples in micro-batches of {batch}")
     print(f"TRL's order (tree_shuffle='rows'): T/U {stock.dedup_ratio:.2f}, speed-up ceiling "
           f"{stock.flop_ratio:.2f}x")
     print(f"tree_shuffle='groups': T/U {grouped.dedup_ratio:.2f}, speed-up ceiling {grouped.flop_ratio:.2f}x")
@@ -104,7 +132,7 @@ def _model_config(spec: str):
     is reachable and ``HF_HUB_OFFLINE`` is not set). A failure is one plain line."""
     import os
 
-    from .inspection import InspectError
+    from .data_files import DataError as InspectError
 
     if spec.lower() in ("0.5b", "1.5b", "7b"):
         from .tiny import shaped_config

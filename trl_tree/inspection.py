@@ -10,13 +10,14 @@ padded batch, of packed mode and of the depth-first walk.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from .data_files import DataError, read_rows
 
 #: column sets understood, in the order they are tried
 COLUMN_SETS = (
@@ -26,61 +27,41 @@ COLUMN_SETS = (
     ("messages",),
     ("text",),
 )
+#: preference pairs (TRL's DPO formats), each row two sequences sharing its prompt
+PAIR_COLUMN_SETS = (
+    ("prompt_ids", "chosen_ids", "rejected_ids"),
+    ("prompt", "chosen", "rejected"),
+    ("chosen", "rejected"),  # an implicit prompt: the forest finds the shared prefix itself
+)
 
 
-class InspectError(ValueError):
-    """A file, column or tokenizer problem, said plainly (the CLI prints it without a traceback)."""
+#: a file, column or tokenizer problem, said plainly (the CLI prints it without a traceback)
+InspectError = DataError
 
 
 def load_rows(path: str) -> list[dict]:
-    """Rows of a JSONL / JSON / Parquet file or of a ``datasets`` directory (``save_to_disk``)."""
-    if not os.path.exists(path):
-        raise InspectError(f"no such file or directory: {path}")
-    if os.path.isdir(path):
-        try:
-            from datasets import load_from_disk
-        except ImportError as e:  # pragma: no cover - datasets is a dependency
-            raise InspectError("reading a datasets directory needs the 'datasets' package") from e
-        try:
-            data = load_from_disk(path)
-        except Exception as e:
-            raise InspectError(f"{path} is not a dataset saved with save_to_disk ({e})") from e
-        if hasattr(data, "keys"):  # a DatasetDict: its first split
-            split = next(iter(data.keys()))
-            data = data[split]
-        return [dict(row) for row in data]
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """Rows of a JSONL / JSON / Parquet file or of a ``datasets`` directory (``data_files.read_rows``)."""
+    return read_rows(path)
 
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:
-            raise InspectError(f"cannot read {path} as Parquet ({e})") from e
-    if lower.endswith((".jsonl", ".json")):
-        with open(path) as f:
-            text = f.read()
-        try:
-            if lower.endswith(".json") and text.lstrip().startswith("["):
-                rows = json.loads(text)
-            else:
-                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise InspectError(f"{path} is not valid JSON lines: {e}") from e
-        if not all(isinstance(r, dict) for r in rows):
-            raise InspectError(f"{path}: every line must be a JSON object (a row with named columns)")
-        return rows
-    raise InspectError(f"{path}: expected .jsonl, .json, .parquet or a datasets directory")
+
+#: ``--tokenizer tiny``: the package's own character-level chat tokenizer (``toy.chat_tokenizer``)
+TINY_TOKENIZER = "tiny"
 
 
 def load_tokenizer(path: str | None):
+    """A local tokenizer directory, or the package's tiny chat tokenizer for ``tiny`` (offline, every
+    character kept: its counts are characters, not a real model's tokens)."""
     if path is None:
         return None
+    if path == TINY_TOKENIZER:
+        from .toy import chat_tokenizer
+
+        return chat_tokenizer()
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
-        raise InspectError(f"--tokenizer: no directory at {path!r} (give a local directory holding tokenizer files; "
-                           "nothing is downloaded)")
+        raise InspectError(f"--tokenizer: no directory at {path!r} (give a local directory holding tokenizer files, "
+                           f"or {TINY_TOKENIZER!r} for the package's character-level one; nothing is downloaded)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
@@ -98,9 +79,8 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
     if chosen is None:
         wanted = " | ".join("+".join(c) for c in COLUMN_SETS)
         raise InspectError(f"no known columns in {sorted(columns)}; expected one of: {wanted}")
-    needs_tokenizer = chosen in (("prompt", "completion"), ("messages",), ("text",))
-    if needs_tokenizer and tokenizer is None:
-        raise InspectError(f"columns {'+'.join(chosen)} hold text: give --tokenizer PATH (a local tokenizer directory)")
+    if chosen not in (("prompt_ids", "completion_ids"), ("input_ids",)) and tokenizer is None:
+        raise InspectError(_needs_tokenizer(chosen))
     seqs, score_from = [], []
     for i, row in enumerate(rows):
         try:
@@ -121,8 +101,8 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
             else:
                 ids = _encode(tokenizer, row["text"])
                 prompt, completion = ids[:1], ids[1:]
-        except InspectError:
-            raise
+        except InspectError as e:
+            raise e if str(e).startswith("row ") else InspectError(f"row {i}: {e}") from e
         except Exception as e:
             raise InspectError(f"row {i}: cannot read {'+'.join(chosen)} ({type(e).__name__}: {e})") from e
         if not prompt or not completion:
@@ -132,26 +112,79 @@ def sequences_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list
     return seqs, score_from
 
 
+def pairs_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list[int]], list[int]] | None:
+    """Preference pairs (``PAIR_COLUMN_SETS``) as sequences, each pair's chosen then rejected, with
+    the index of each one's first scored token; None where the rows are not pairs."""
+    columns = set(rows[0]) if rows else set()
+    chosen_set = next((c for c in PAIR_COLUMN_SETS if set(c) <= columns), None)
+    if chosen_set is None:
+        return None
+    if chosen_set[0] != "prompt_ids" and tokenizer is None:
+        raise InspectError(_needs_tokenizer(chosen_set))
+    seqs, score_from = [], []
+    for i, row in enumerate(rows):
+        try:
+            for answer in ("chosen", "rejected"):
+                if chosen_set[0] == "prompt_ids":
+                    prompt, completion = _ids(row["prompt_ids"]), _ids(row[f"{answer}_ids"])
+                elif "prompt" not in chosen_set:
+                    ids = _chat(tokenizer, row[answer]) if isinstance(row[answer], list) else _encode(tokenizer, row[answer])
+                    prompt, completion = ids[:1], ids[1:]
+                elif isinstance(row["prompt"], list):  # conversational
+                    prompt = _chat(tokenizer, row["prompt"], row.get("tools"), generation_prompt=True)
+                    ids = _chat(tokenizer, row["prompt"] + row[answer], row.get("tools"))
+                    prompt, completion = ids[: len(prompt)], ids[len(prompt) :]
+                else:
+                    prompt = _encode(tokenizer, row["prompt"])
+                    completion = _encode(tokenizer, row[answer], special=False)
+                if not prompt or not completion:
+                    raise InspectError(f"row {i}: its {answer} answer has no {'prompt' if not prompt else 'answer'} "
+                                       "token")
+                seqs.append(prompt + completion)
+                score_from.append(len(prompt))
+        except InspectError as e:
+            raise e if str(e).startswith("row ") else InspectError(f"row {i}: {e}") from e
+        except Exception as e:
+            raise InspectError(f"row {i}: cannot read {'+'.join(chosen_set)} ({type(e).__name__}: {e})") from e
+    return seqs, score_from
+
+
+def _needs_tokenizer(columns: tuple[str, ...]) -> str:
+    return (f"columns {'+'.join(columns)} hold text: give --tokenizer PATH (a local tokenizer directory, e.g. one "
+            f"saved with save_pretrained), or --tokenizer {TINY_TOKENIZER} for the package's character-level one")
+
+
 def _chat(tokenizer, messages, tools=None, generation_prompt: bool = False) -> list[int]:
+    if not isinstance(messages, list):
+        raise InspectError(f"a chat must be a list of messages, got {type(messages).__name__}")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise InspectError(f"message {j} has no 'role' (each message is {{'role': ..., 'content': ...}}): "
+                               f"{str(message)[:80]}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InspectError("the rows hold chats but the tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 
-def inspect_sft(seqs: list[list[int]], score_from: list[int], config, model_name: str, batch_size: int
-                ) -> tuple[Report, Report, list[float]]:
+def inspect_sft(seqs: list[list[int]], score_from: list[int], config, model_name: str, batch_size: int,
+                pairs: bool = False) -> tuple[Report, Report, list[float]]:
     """SFT samples in micro-batches of ``batch_size``: the report in TRL's (random) order, the report
-    with the prefix-grouped sampler (``tree_shuffle='groups'``), and the grouped micro-batches' T/U."""
+    with the prefix-grouped sampler (``tree_shuffle='groups'``), and the grouped micro-batches' T/U.
+    ``pairs``: DPO's preference pairs (``pairs_from_rows``: each sample's chosen then rejected
+    sequence), ordered as ``TreeDPOTrainer``'s sampler orders them, by prompt + chosen."""
     from .trainers.sft_sampler import PrefixGroupedSampler
 
-    order = np.random.default_rng(0).permutation(len(seqs)).tolist()
-    _, chunks = PrefixGroupedSampler([np.asarray(s) for s in seqs], batch_size).micro_batches(0)
+    width = 2 if pairs else 1
+    lead = [np.asarray(s) for s in seqs[::width]]  # what the sampler orders by
+    order = np.random.default_rng(0).permutation(len(lead)).tolist()
+    _, chunks = PrefixGroupedSampler(lead, batch_size).micro_batches(0)
     grouped = [int(i) for chunk in chunks for i in chunk]
     reports = []
-    for ordering in (order, grouped):
+    for samples in (order, grouped):
+        ordering = [width * i + k for i in samples for k in range(width)]
         report, forests = inspect([seqs[i] for i in ordering], [score_from[i] for i in ordering], config,
-                                  model_name, batch_size)
+                                  model_name, batch_size * width)
         reports.append((report, forests))
     ratios = [f.dedup_ratio for f in reports[1][1]]
     return reports[0][0], reports[1][0], ratios

@@ -117,23 +117,42 @@ def random_tree(
     return seqs
 
 
-#: characters of ``tiny_tokenizer``'s vocabulary after its three special tokens
+#: characters of ``tiny_tokenizer``'s vocabulary after its three special tokens (their ids stay fixed:
+#: the toy tasks and the tests' token ids use them); the rest of printable ASCII follows
+#: (:data:`TINY_MORE_CHARS`), then one token per byte for anything else
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()'\""
+TINY_MORE_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ#$%&<>@[\\]^_`{|}~\n\t"
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(every_character: bool = False):
     """A character-level fast tokenizer built in memory (``<pad>``=0, ``<eos>``=1, ``<bos>``=2).
 
     Trainers need a real ``PreTrainedTokenizerFast`` (padding, decoding, eos); one character per
     token keeps the toy tasks' rewards readable and needs no hub download.
+
+    ``every_character=False``: :data:`TINY_CHARS` only, the alphabet of the toy reward tasks (any
+    other character becomes ``<pad>``). A random policy samples from the whole vocabulary, so a
+    small one is what lets the letter task's reward rise within a CPU demo's few steps (with the
+    whole vocabulary below it barely moves in 12 steps).
+    ``every_character=True``: every text round-trips — the rest of printable ASCII, then any other
+    character as its UTF-8 bytes (byte fallback, as Llama's tokenizers do), never an unknown
+    token. What a user's own data is trained with on the tiny model (capitals, JSON tool calls,
+    accents must reach the model whole, or the loss falls on nothing).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for ch in TINY_CHARS:
+    for ch in TINY_CHARS + (TINY_MORE_CHARS if every_character else ""):
         vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    if not every_character:
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one character a word
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")

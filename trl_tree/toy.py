@@ -40,12 +40,21 @@ TOY_PPO: dict = {"num_ppo_epochs": 1, "lam": 1.0, "critic_warmup_steps": 2, "kl_
 
 
 #: a chat template in ``tiny_tokenizer``'s characters: the tools' names first, one letter per role,
-#: an assistant turn inside TRL's generation markers (``assistant_only_loss``) and ended by eos
+#: an assistant turn inside TRL's generation markers (``assistant_only_loss``) and ended by eos. An
+#: assistant turn's tool calls follow its text, each as ``<tool_call>{"name": ..., "arguments": ...}
+#: </tool_call>`` (arguments given as a JSON string are written as they are), inside the markers, so
+#: they train; a tool's answer is a ``t:`` turn like any other message. Nothing a conversation
+#: carries is dropped (``trainers.template_check`` warns where a template does drop something).
 CHAT_TEMPLATE = (
-    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}{% endif %}"
+    "{% if tools %}{{ 'tools:' }}{% for t in tools %}"
+    "{{ (t['function']['name'] if t['function'] is defined else t['name']) + ';' }}{% endfor %}{% endif %}"
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'a:' }}{% generation %}"
-    "{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}{{ m['role'][0] + ':' + m['content'] + ';' }}{% endif %}{% endfor %}"
+    "{{ m['content'] if m['content'] else '' }}"
+    "{% for call in m['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}{{ '}</tool_call>' }}"
+    "{% endfor %}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['role'][0] + ':' + (m['content'] if m['content'] else '') + ';' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
 )
 
@@ -59,20 +68,24 @@ AGENT_TOOLS = [{"type": "function", "function": {
 AGENT_KEYS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
 
 
-def chat_tokenizer():
+def chat_tokenizer(every_character: bool = True):
     """``tiny_tokenizer`` with :data:`CHAT_TEMPLATE`, and the ``response_template`` that parses an
-    assistant turn back into a message (TRL's rollout loop reads its generations that way)."""
-    tok = tiny_tokenizer()
+    assistant turn back into a message — its text and its ``<tool_call>`` JSON into ``tool_calls``
+    (TRL's rollout loop reads its generations that way). ``every_character``: see ``tiny_tokenizer``
+    (a tool call's JSON needs it)."""
+    tok = tiny_tokenizer(every_character)
     tok.chat_template = CHAT_TEMPLATE
-    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "a:",
-                             "fields": {"content": {"close_pattern": re.escape(tok.eos_token) + r"|$",
-                                                    "content": "text"}}}
+    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "a:", "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<tool_call>|" + re.escape(tok.eos_token) + r"|$", "content": "text"}}}
     return tok
 
 
 def toy_conversations(n: int = 64, questions: int = 2, seed: int = 0) -> list[dict]:
     """``n`` agentic conversations (``{"messages", "tools"}``): the system prompt, then per question
-    a user turn, the assistant's tool call, the tool's answer and the assistant's reply."""
+    a user turn, the assistant's tool call (``tool_calls``, as TRL's datasets carry them), the tool's
+    answer and the assistant's reply."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -82,7 +95,8 @@ def toy_conversations(n: int = 64, questions: int = 2, seed: int = 0) -> list[di
             value = int(torch.randint(100, (1,), generator=g))
             messages += [
                 {"role": "user", "content": f"what is stored under {key}?"},
-                {"role": "assistant", "content": f"lookup({key})"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}]},
                 {"role": "tool", "content": f"{key} = {value}"},
                 {"role": "assistant", "content": f"the value of {key} is {value}."},
             ]
@@ -111,10 +125,13 @@ def toy_preferences(n: int = 128, pairs_per_prompt: int = 1, seed: int = 0) -> l
 
 
 def build_tiny_policy(path: str | Path, hidden_size: int = 128, num_layers: int = 4, seed: int = 0,
-                      chat: bool = False) -> str:
+                      chat: bool = False, every_character: bool | None = None) -> str:
     """Save a tiny Qwen2-shaped causal LM and its tokenizer (``chat``: with :data:`CHAT_TEMPLATE`)
-    to ``path``; return the path."""
-    tok = chat_tokenizer() if chat else tiny_tokenizer()
+    to ``path``; return the path. ``every_character`` (``tiny_tokenizer``; default: ``chat``):
+    conversations — a user's own included — keep every character; the letter task's prompts need
+    only its alphabet, which a random policy learns from fastest."""
+    every_character = chat if every_character is None else every_character
+    tok = chat_tokenizer(every_character) if chat else tiny_tokenizer(every_character)
     model = tiny_model(
         "qwen2", seed=seed, vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,

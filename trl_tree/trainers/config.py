@@ -249,6 +249,10 @@ class TreeSFTConfig(SFTConfig, TreeArguments):
             raise ValueError("tree_shuffle='groups' chooses which samples meet, but packing=True fixed the rows before "
                              "any sampler runs; use packing=False (the tree removes the padding's cost where samples "
                              "share prefixes) or tree_shuffle='rows'")
+        if self.tree_shuffle == "groups" and getattr(self, "train_sampling_strategy", None) == "group_by_length":
+            raise ValueError("tree_shuffle='groups' and train_sampling_strategy='group_by_length' both choose which "
+                             "samples meet in a micro-batch; keep one: tree_shuffle='rows' (TRL's sampler, by length) "
+                             "or train_sampling_strategy='random' (the tree's grouping by shared prefixes)")
         if self.tree_window == "accumulation":
             raise ValueError("tree_window='accumulation' places an RL generation batch's trees on ranks; SFT's "
                              "micro-batch is its own set of trees. Use tree_shuffle='groups' to bring shared "

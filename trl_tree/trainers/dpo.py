@@ -14,6 +14,7 @@ from peft import PeftModel
 from trl import DPOTrainer
 
 from .config import TreeDPOConfig, as_tree_config
+from .data_checks import bound_argument, refuse_empty, refuse_streaming_groups, warn_dropped_content
 from .dpo_stock_loss import NON_MODEL_KEYS, OUTPUT_NAMES, stock_loss, takes_the_batch, with_reference
 from .dpo_walk import one_pass_loss, walks_in_one_pass
 from .fused_forward import install_tree_head
@@ -30,10 +31,15 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
 
     def __init__(self, model, ref_model=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeDPOConfig, model, "DPO")
+        name = type(self).__name__
+        dataset = bound_argument(DPOTrainer.__init__, "train_dataset", (model, ref_model, args, *rest), kwargs)
+        refuse_empty(name, dataset)
         if args.tree_mode != "off":  # before stock's constructor, which acts on it
             self._refuse({"activation_offloading (its hooks on saved tensors are not verified with the tree's "
                           "backward)": bool(args.activation_offloading)})
+            refuse_streaming_groups(name, dataset, args.tree_shuffle)
         super().__init__(model, ref_model, args, *rest, **kwargs)
+        warn_dropped_content(name, dataset, self.processing_class)
         self._install_tree_heads()
         self._setup_tree()
         if args.tree_mode != "off":
@@ -97,16 +103,17 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._tree_metrics_pending = None
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._reduce_pending(model)
-        if self._tree_sync_pending:
-            self._tree_sync_pending = False
-            self._sync_gradients(self.accelerator.unwrap_model(model))
+        loss = self._offline_training_step(model, inputs, num_items_in_batch)
         if self._tree_metrics_pending is not None:  # stock's metrics of the loss above, as stock logs them
             pending, self._tree_metrics_pending = self._tree_metrics_pending, None
             with torch.no_grad():
                 stock_loss(self, *pending, muted=False)
         return loss
+
+    def _after_backward(self, model) -> None:
+        if self._tree_sync_pending:  # the replayed call ran past DDP: its gradients averaged here
+            self._tree_sync_pending = False
+            self._sync_gradients(self.accelerator.unwrap_model(model))
 
     def _check_trainer_support(self) -> None:
         refusals = {

@@ -263,12 +263,8 @@ class TreeTrainerMixin(TreeCallsMixin):
             self._sync_gradients(self.accelerator.unwrap_model(model))
         if self.args.tree_mode != "off":
             self._check_finite(model, loss)
-        if loss.device.type == "cuda":
-            torch.cuda.synchronize(loss.device)
-        self._tree_step_seconds += time.perf_counter() - start - self._tree_prepare_seconds
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
-            self._tree_step_seconds = 0.0
+        self._add_step_time(start, loss, self._step % self.current_gradient_accumulation_steps == 0,
+                            self._tree_prepare_seconds)
         return loss
 
     def _check_finite(self, model, loss: torch.Tensor) -> None:

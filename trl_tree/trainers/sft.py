@@ -15,6 +15,7 @@ import torch
 from trl import SFTTrainer
 
 from .config import TreeSFTConfig, as_tree_config
+from .data_checks import bound_argument, refuse_empty, refuse_streaming_groups, warn_dropped_content
 from .sft_rows import SFTRows
 from .tree_calls import TreeCallsMixin
 
@@ -33,9 +34,14 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
 
     def __init__(self, model, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeSFTConfig, model, "SFT")
+        name = type(self).__name__
+        dataset = bound_argument(SFTTrainer.__init__, "train_dataset", (model, args, *rest), kwargs)
+        refuse_empty(name, dataset)
         if args.tree_mode != "off":  # before stock's constructor, which acts on some of them (offloading)
             self._refuse(self._refused_settings(args))
+            refuse_streaming_groups(name, dataset, args.tree_shuffle)
         super().__init__(model, args, *rest, **kwargs)
+        warn_dropped_content(name, dataset, self.processing_class)
         self._setup_tree()
         if args.tree_mode != "off":
             from .sft_sampler import announce_grouping
@@ -54,9 +60,6 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
                 bool(args.activation_offloading),
             "tree_cuda_graphs (not built for SFT's trainer yet; the DPO and RL trainers take it)":
                 bool(args.tree_cuda_graphs),
-            "train_sampling_strategy='group_by_length' together with tree_shuffle='groups' (both choose which "
-            "samples meet)": args.tree_shuffle == "groups"
-            and getattr(args, "train_sampling_strategy", None) == "group_by_length",
         }
 
     def _check_trainer_support(self) -> None:
@@ -126,9 +129,7 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._reduce_pending(model)
-        return loss
+        return self._offline_training_step(model, inputs, num_items_in_batch)
 
     def _get_train_sampler(self, train_dataset=None):
         if self.args.tree_mode == "off" or self.args.tree_shuffle != "groups":

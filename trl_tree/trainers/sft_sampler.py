@@ -209,7 +209,8 @@ def announce_grouping(trainer, pairs: bool = False) -> None:
             return
         sequences, parts = found
     else:
-        if not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names or args.packing:
+        columns = getattr(dataset, "column_names", None) or []  # None for a streaming dataset
+        if "input_ids" not in columns or args.packing or not hasattr(dataset, "__len__"):
             return
         sequences = [np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"]]
     if len(sequences) < 2:

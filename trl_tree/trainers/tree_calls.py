@@ -13,6 +13,7 @@ of what the tree cannot compute exactly.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -361,6 +362,36 @@ class TreeCallsMixin:
         if self._tree_fsdp_pending and self.accelerator.sync_gradients:
             self._tree_fsdp_pending = False
             reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
+
+    def _add_step_time(self, started: float, loss: torch.Tensor, step_done: bool, excluded: float = 0.0) -> None:
+        """``tree/fwd_bwd_time``: the seconds of an optimizer step's micro-steps since ``started``
+        (less ``excluded``: generation and scoring in the RL trainers), the GPU's queue drained, so
+        that the time is the work's and not its launch; logged at the step's last micro-step
+        (``step_done``). Every trainer and ``tree_mode`` logs it: a ``tree_mode='off'`` run is the
+        baseline the docs compare against."""
+        if loss.device.type == "cuda":
+            torch.cuda.synchronize(loss.device)
+        self._tree_step_seconds = getattr(self, "_tree_step_seconds", 0.0) + time.perf_counter() - started - excluded
+        if step_done:
+            self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
+            self._tree_step_seconds = 0.0
+
+    def _offline_training_step(self, model, inputs, num_items_in_batch):
+        """An offline trainer's (SFT, DPO) micro-step: stock's, then the engine's pending gradient
+        reduction (FSDP2), timed (``_add_step_time``); with ``tree_mode='off'`` T/U is logged as 1.0,
+        so the ``tree/`` columns of a stock run line up with a tree run's."""
+        started = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._reduce_pending(model)
+        self._after_backward(model)
+        if self.args.tree_mode == "off":
+            self._metrics["train"]["tree/dedup_ratio"].append(1.0)
+        self._add_step_time(started, loss, self.accelerator.sync_gradients)
+        return loss
+
+    def _after_backward(self, model) -> None:
+        """What an offline trainer's micro-step does after stock's backward, inside the timed step
+        (DPO: the gradients of a call that ran past DDP averaged by hand); nothing here."""
 
     def _log_forests(self, forests: list[PrefixForest], router: bool = False) -> None:
         """The step's sharing (``tree/dedup_ratio`` = T/U), its calls, and how many of them ran as
