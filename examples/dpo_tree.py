@@ -31,13 +31,18 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="dpo_tree_", ignore_cleanup_errors=True) as workdir:
-        _train(args, workdir)
+        try:
+            _train(args, workdir)
+        except ValueError as e:  # bad data (trl_tree.data_files.DataError) or a refusal: one line, no traceback
+            parser.exit(2, f"{parser.prog}: {e}\n")
 
 
 def _train(args, workdir: str) -> None:
     # imported after the arguments are parsed, so that --help answers at once
     import torch
-    from datasets import Dataset, load_dataset
+    from datasets import Dataset
+
+    from trl_tree.data_files import load_local_dataset
 
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
     from trl_tree.toy import build_tiny_policy, learning_line, toy_preferences
@@ -46,9 +51,8 @@ def _train(args, workdir: str) -> None:
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True)
     if args.dataset is None:
         data = Dataset.from_list(toy_preferences(8 * args.steps, args.pairs_per_prompt))
-    else:
-        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-        data = load_dataset(kind, data_files=args.dataset, split="train")
+    else:  # datasets' loader, with errors that name the file's bad line
+        data = load_local_dataset(args.dataset)
     config = TreeDPOConfig(
         output_dir=args.output_dir or os.path.join(workdir, "out"),
         tree_mode=args.mode,

@@ -36,22 +36,28 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="sft_tree_", ignore_cleanup_errors=True) as workdir:
-        _train(args, workdir)
+        try:
+            _train(args, workdir)
+        except ValueError as e:  # bad data (trl_tree.data_files.DataError) or a refusal: one line, no traceback
+            parser.exit(2, f"{parser.prog}: {e}\n")
 
 
 def _load(args):
-    from datasets import Dataset, load_dataset
+    from datasets import Dataset
 
-    from trl_tree.sft_data import expand_turns_batched
+    from trl_tree.data_files import DataError, load_local_dataset
+    from trl_tree.sft_data import expand_turns_dataset
     from trl_tree.toy import toy_conversations
 
     if args.dataset is None:
         data = Dataset.from_list(toy_conversations(args.conversations))
-    else:
-        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-        data = load_dataset(kind, data_files=args.dataset, split="train")
+    else:  # datasets' loader, with errors that name the file's bad line
+        data = load_local_dataset(args.dataset)
     if "messages" in data.column_names and not args.no_expand:
-        data = data.map(expand_turns_batched, batched=True, remove_columns=data.column_names)
+        try:
+            data = expand_turns_dataset(data)
+        except ValueError as e:
+            raise DataError(f"{args.dataset or 'the generated conversations'}, {e}") from None
     return data
 
 

@@ -188,3 +188,56 @@ def test_inspect_sft_compares_trl_order_with_the_sampler(tmp_path, capsys):
     assert "tree_shuffle='groups': T/U" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # --per-turn without --sft: a usage error
         main(["inspect", str(path), "--tokenizer", str(tmp_path / "tok"), "--per-turn"])
+
+
+def test_inspect_reports_dpo_pairs(tmp_path, capsys):
+    """DPO's files (prompt/chosen/rejected): each pair two sequences sharing the prompt, in
+    micro-batches of pairs, TRL's order against TreeDPOTrainer's grouped sampler; ``--tokenizer
+    tiny`` is the package's own, offline."""
+    from trl_tree.toy import toy_preferences
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in toy_preferences(32, pairs_per_prompt=4)))
+    assert main(["inspect", str(path), "--tokenizer", "tiny", "--rows-per-forest", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["trl_order"]["rows"] == 64 and report["groups"]["dedup_ratio"] > report["trl_order"]["dedup_ratio"]
+    assert all(ratio > 1.0 for ratio in report["groups_micro_batch_T_over_U"])
+    assert main(["inspect", str(path), "--tokenizer", "tiny"]) == 0
+    assert "32 preference pairs" in capsys.readouterr().out
+
+
+def _inspect_error(capsys, *argv) -> str:
+    assert main(["inspect", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_inspect_bad_data_gets_one_line_naming_the_row(tmp_path, capsys):
+    from trl_tree.toy import toy_conversations
+
+    rows = [json.dumps(c) for c in toy_conversations(10)]
+    bad = rows.copy()
+    bad[5] = bad[5].replace('"role": "user"', '"role" "user"', 1)
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad))
+    assert "bad.jsonl, line 6: not valid JSON" in _inspect_error(capsys, str(tmp_path / "bad.jsonl"), "--tokenizer",
+                                                                 "tiny")
+    no_role = [json.loads(r) for r in rows]
+    del no_role[3]["messages"][1]["role"]
+    (tmp_path / "role.jsonl").write_text("\n".join(json.dumps(r) for r in no_role))
+    for extra in ([], ["--sft", "--per-turn"]):
+        assert "row 3" in _inspect_error(capsys, str(tmp_path / "role.jsonl"), "--tokenizer", "tiny", *extra)
+    no_assistant = [{"messages": [m for m in json.loads(r)["messages"] if m["role"] != "assistant"]} for r in rows]
+    (tmp_path / "noasst.jsonl").write_text("\n".join(json.dumps(r) for r in no_assistant))
+    err = _inspect_error(capsys, str(tmp_path / "noasst.jsonl"), "--tokenizer", "tiny", "--sft", "--per-turn")
+    assert "none of the 10 rows" in err and "assistant turn" in err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "has no rows" in _inspect_error(capsys, str(tmp_path / "empty.jsonl"))
+    assert "--tokenizer tiny" in _inspect_error(capsys, str(tmp_path / "noasst.jsonl"))
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_demo_runs_sft_and_dpo(capsys, algo):
+    assert main(["demo", "--algo", algo, "--steps", "2", "--stock-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"stock {algo.upper()}" in out and f"tree {algo.upper()}" in out and "loss" in out

@@ -70,6 +70,19 @@ def test_example_help_imports_nothing_heavy(script):
     assert done.stdout.strip().endswith("light") and "usage:" in done.stdout, done.stdout + done.stderr
 
 
+def test_example_saves_to_its_output_dir(monkeypatch, capsys, tmp_path):
+    """``--output-dir`` holds the trained model and its tokenizer, loadable as any checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "trained"
+    monkeypatch.setattr(sys, "argv", ["sft_tree.py", "--steps", "2", "--conversations", "4", "--output-dir", str(out)])
+    runpy.run_path("examples/sft_tree.py", run_name="__main__")
+    assert "loss" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.vocab_size == len(tokenizer) and tokenizer.chat_template
+
+
 @pytest.mark.parametrize("argv", [[], ["--mode", "dfs", "--chunk-size", "7"]])
 def test_example_runs(argv, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["tree_logprobs_basic.py", *argv])

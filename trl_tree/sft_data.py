@@ -67,6 +67,31 @@ def expand_turns_batched(batch: Mapping[str, list], drop_reasoning: bool = False
     return out
 
 
+def expand_turns_dataset(dataset, drop_reasoning: bool = False, reasoning_keys: Sequence[str] = REASONING_KEYS):
+    """:func:`expand_turns` over a ``datasets.Dataset`` (or ``IterableDataset``): one sample per
+    assistant turn. A malformed conversation's error names its row; a dataset whose conversations
+    hold no assistant turn at all is an error here, not an empty dataset that fails later."""
+
+    def expand(batch, indices):
+        keys = list(batch)
+        out: dict[str, list] = {}
+        for row, index in enumerate(indices):
+            try:
+                samples = expand_turns({key: batch[key][row] for key in keys}, drop_reasoning, reasoning_keys)
+            except ValueError as e:
+                raise ValueError(f"row {index}: {e}") from None
+            for sample in samples:
+                for key, value in sample.items():
+                    out.setdefault(key, []).append(value)
+        return out
+
+    expanded = dataset.map(expand, batched=True, with_indices=True, remove_columns=dataset.column_names)
+    if hasattr(expanded, "__len__") and len(expanded) == 0:
+        raise ValueError(f"none of the {len(dataset)} conversations has an assistant turn after its first message: "
+                         "one sample per assistant turn leaves nothing to train")
+    return expanded
+
+
 def branch_samples(tree: Mapping[str, Any], per_turn: bool = False) -> list[dict[str, Any]]:
     """The root-to-leaf samples of a conversation tree: ``{"messages": [...], "children": [tree, ...]}``,
     each node's messages following its parent's (best-of-n continuations, a tool call with several

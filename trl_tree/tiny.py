@@ -124,6 +124,12 @@ TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()'\""
 TINY_MORE_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ#$%&<>@[\\]^_`{|}~\n\t"
 
 
+#: the special tokens; ``unk_token`` is named (what the compact alphabet maps other characters to)
+#: so that a class chosen by the model's type on loading (Qwen2's) adds no unknown token of its own
+#: beyond the model's embeddings
+SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<pad>"}
+
+
 def tiny_tokenizer(every_character: bool = False):
     """A character-level fast tokenizer built in memory (``<pad>``=0, ``<eos>``=1, ``<bos>``=2).
 
@@ -149,10 +155,10 @@ def tiny_tokenizer(every_character: bool = False):
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
         tok.decoder = decoders.Fuse()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+        return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
     for byte in range(256):
         vocab[f"<0x{byte:02X}>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one character a word
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)

@@ -54,6 +54,7 @@ class TreeCallsMixin:
             return
         if getattr(self, "_is_vlm", False):
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
+        self._refuse_prompt_learning(self.model)
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
         self._refuse_dropout(self.model, "the model")
         # the precision the steps run in: bf16/fp16 mixed precision runs them under autocast
@@ -92,6 +93,22 @@ class TreeCallsMixin:
                 "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)"
             )
         self._check_trainer_support()
+
+    def _refuse_prompt_learning(self, model) -> None:
+        """Refuse a PEFT prompt-learning adapter (prompt tuning, p-tuning's prompt encoder, prefix
+        tuning), at construction. Its virtual tokens (or prefix K/V) enter through ``PeftModel``'s
+        own forward, which concatenates them to the padded batch; the tree calls the base model on
+        its packed tokens and never sees them, so its numbers would not be stock's (measured: a
+        different loss with prompt tuning, a crash under dfs)."""
+        configs = getattr(self.accelerator.unwrap_model(model), "peft_config", None)
+        kinds = [str(getattr(c, "peft_type", type(c).__name__)).split(".")[-1] for c in (configs or {}).values()
+                 if getattr(c, "is_prompt_learning", False)]
+        if kinds:
+            raise ValueError(
+                f"{type(self).__name__}: the tree does not support PEFT prompt-learning adapters ({', '.join(kinds)}): "
+                "their virtual tokens are prepended by PeftModel's forward to the padded batch, which the tree's calls "
+                "do not run, so the numbers would not be stock's. Use an adapter on the weights (LoRA and its kin), "
+                "or tree_mode='off' for stock's path")
 
     def _check_trainer_support(self) -> None:
         """What a kind of trainer refuses besides (its batch layouts, its settings); nothing here."""
