@@ -209,3 +209,48 @@ def test_expanding_conversations_names_the_row_and_refuses_nothing_to_train():
     silent = [{"messages": [m for m in r["messages"] if m["role"] != "assistant"]} for r in rows]
     with pytest.raises(ValueError, match="none of the 6 conversations has an assistant turn"):
         expand_turns_dataset(Dataset.from_list(silent))
+
+
+def test_fa4_compiles_are_counted_and_taken(monkeypatch):
+    """What FlashAttention-4 spends compiling a kernel variant is counted (the calls that grew its
+    JIT caches) and handed to the step's log once; its disk cache is turned on unless a user said no."""
+    import types
+
+    from trl_tree.attention import fa4
+
+    calls = []
+
+    def fwd(*args, **kwargs):  # compiles on its first call only, like FA4's cache
+        calls.append(1)
+        if not fwd.compile_cache.cache:
+            fwd.compile_cache.cache["key"] = object()
+        return "out", "lse"
+
+    fwd.compile_cache = types.SimpleNamespace(cache={})
+    fake = types.SimpleNamespace(_flash_attn_fwd=fwd)
+    monkeypatch.setattr(fa4, "_interface", lambda: fake)
+    fa4._jit_caches.cache_clear()
+    fa4.take_compile_time()
+    for _ in range(3):
+        assert fa4._counting_compiles(fwd, 1, x=2) == ("out", "lse")
+    kernels, seconds = fa4.take_compile_time()
+    assert kernels == 1 and seconds >= 0.0 and len(calls) == 3
+    assert fa4.take_compile_time() == (0, 0.0)
+    fa4._jit_caches.cache_clear()
+
+
+def test_fa4_disk_cache_is_on_unless_the_user_said_no(monkeypatch):
+    import importlib
+
+    from trl_tree.attention import fa4
+
+    def absent(name):
+        raise ImportError(name)
+
+    monkeypatch.setattr(importlib, "import_module", absent)
+    monkeypatch.delenv(fa4.PERSISTENT_CACHE_VARIABLE, raising=False)
+    assert fa4._interface.__wrapped__() is None
+    assert fa4.os.environ[fa4.PERSISTENT_CACHE_VARIABLE] == "1"
+    monkeypatch.setenv(fa4.PERSISTENT_CACHE_VARIABLE, "0")
+    fa4._interface.__wrapped__()
+    assert fa4.os.environ[fa4.PERSISTENT_CACHE_VARIABLE] == "0"

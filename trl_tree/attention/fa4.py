@@ -21,19 +21,62 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import time
 
 import torch
 
 from . import partial
 
 
+#: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
+#: causal flag, GQA packing, split and tile choices its heuristics make from the shapes — so the
+#: first steps of a run, and the first micro-batch of an unseen layout, pay for compiling. FA4's own
+#: disk cache keeps compiled kernels across runs; it is off unless this variable is set, and the
+#: tree sets it (``setdefault``: a user's ``0`` keeps it off) before FA4 is imported.
+PERSISTENT_CACHE_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+#: what the calls that added kernels to FA4's caches (compiled, or loaded from its disk cache) took
+_compiles = {"kernels": 0, "seconds": 0.0}
+
+
 @functools.cache
 def _interface():
     """FA4's interface module, or None where it cannot be imported."""
+    os.environ.setdefault(PERSISTENT_CACHE_VARIABLE, "1")
     try:
         return importlib.import_module("flash_attn.cute.interface")
     except (ImportError, AttributeError, OSError, RuntimeError):
         return None
+
+
+@functools.cache
+def _jit_caches() -> tuple[dict, ...]:
+    """FA4's in-memory JIT caches (the dict of every ``compile_cache`` of its interface), found once."""
+    caches = (getattr(getattr(value, "compile_cache", None), "cache", None) for value in vars(_interface()).values())
+    return tuple(cache for cache in caches if isinstance(cache, dict))
+
+
+def _cached_kernels() -> int:
+    return sum(len(cache) for cache in _jit_caches())
+
+
+def _counting_compiles(call, *args, **kwargs):
+    """``call(*args, **kwargs)``; where it added kernels to FA4's caches, its host time is counted
+    as compiling (the kernel's own run is queued, not waited for)."""
+    before, start = _cached_kernels(), time.perf_counter()
+    out = call(*args, **kwargs)
+    added = _cached_kernels() - before
+    if added:
+        _compiles["kernels"] += added
+        _compiles["seconds"] += time.perf_counter() - start
+    return out
+
+
+def take_compile_time() -> tuple[int, float]:
+    """``(kernels, seconds)`` FA4 compiled (or loaded from its disk cache) since the last call."""
+    taken = (_compiles["kernels"], _compiles["seconds"])
+    _compiles["kernels"], _compiles["seconds"] = 0, 0.0
+    return taken
 
 
 def _window(window: int | None) -> dict:
@@ -44,17 +87,17 @@ def _window(window: int | None) -> dict:
 def fa4_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                         window: int | None = None):
     """FA4's varlen forward: ``(out, lse, None)`` (no state: its backward recomputes from ``lse``)."""
-    out, lse, *_ = _interface()._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, return_lse=True, **_window(window))
+    out, lse, *_ = _counting_compiles(
+        _interface()._flash_attn_fwd, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+        max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True, **_window(window))
     return out, lse, None
 
 
 def fa4_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
                          causal: bool, scale: float, window: int | None = None):
     """``(dq, dk, dv)`` of one part given the merged ``out`` and ``lse`` (model dtype)."""
-    dq, dk, dv = _interface()._flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse.contiguous(), scale, causal, 0.0,
+    dq, dk, dv = _counting_compiles(
+        _interface()._flash_attn_bwd, q, k, v, out, grad_out.contiguous(), lse.contiguous(), scale, causal, 0.0,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))[:3]
     return dq, dk, dv
 

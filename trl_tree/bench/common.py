@@ -287,8 +287,9 @@ def _timed_steps(trainer) -> list[float]:
 
 def train_and_time(trainer) -> tuple[dict, list[dict]]:
     """Train ``trainer`` (an offline trainer's bench run) timing each ``training_step`` — the step
-    without the optimizer; ``({step_ms, steps_timed, peak_gib, loss[, T_over_U]}, logged steps)``,
-    the median over the steps after the first."""
+    without the optimizer; ``({step_ms, steps_timed, first_ms, peak_gib, loss[, T_over_U]}, logged
+    steps)``, the median over the steps after the first (``first_ms``: the first, which compiles
+    kernels and grows the allocator)."""
     import statistics
 
     times = _timed_steps(trainer)
@@ -298,8 +299,14 @@ def train_and_time(trainer) -> tuple[dict, list[dict]]:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = {"step_ms": round(statistics.median(times[1:]) * 1e3, 1), "steps_timed": len(times) - 1,
+              "first_ms": round(times[0] * 1e3, 1),
               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
               "loss": round(logs[-1]["loss"], 4)}
+    if len(times) > 8:  # an epoch of varied micro-batches: every step, and what FA4 compiled in it
+        result["each_step_ms"] = [round(t * 1e3, 1) for t in times]
+        compiled = [round(h.get("tree/kernel_compile_time", 0.0) * 1e3, 1) for h in logs]
+        if any(compiled):
+            result["each_step_fa4_compile_ms"] = compiled
     if "tree/dedup_ratio" in logs[-1]:
         result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
     return result, logs

@@ -63,14 +63,20 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
                                                      attn_implementation=attention)
     total = sum(len(s) for s in shape.input_ids)
     data = Dataset.from_dict({"input_ids": shape.input_ids, "labels": shape.labels})
+    batch = shape.batch_size or len(shape.input_ids)
+    if shape.batch_size is not None:  # a dataset over epochs: two of them (the second reuses what the first built)
+        steps = 2 * -(-len(shape.input_ids) // batch)
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,
                   use_cpu=not cuda,
                   gradient_checkpointing=True, logging_steps=1, report_to="none", save_strategy="no",
                   disable_tqdm=True, max_length=total if packed else None, packing=packed,
-                  per_device_train_batch_size=1 if packed else len(shape.input_ids))
+                  per_device_train_batch_size=1 if packed else batch)
+    if packed and shape.batch_size is not None:
+        common["max_length"] = max(sum(sorted(len(x) for x in shape.input_ids)[-batch:]), 1)
     if mode.startswith("tree"):
         args = TreeSFTConfig(**common, tree_mode="dfs" if mode == "tree_dfs" else "packed",
-                             tree_attn_backend=backend or "auto")
+                             tree_attn_backend=backend or "auto",
+                             tree_shuffle="groups" if shape.batch_size is not None else "rows")
         trainer = TreeSFTTrainer(model=model, args=args, train_dataset=data, processing_class=bench_tokenizer(
             config.vocab_size))
     else:

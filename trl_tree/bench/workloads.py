@@ -130,6 +130,8 @@ class SFTShape:
     description: str
     input_ids: list[list[int]]
     labels: list[list[int]]
+    #: samples per micro-batch, where a shape is a dataset trained over epochs (None: all, one micro-batch)
+    batch_size: int | None = None
 
     @property
     def score_from(self) -> list[int]:
@@ -176,6 +178,19 @@ def sft_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
         ids = [rng.integers(1, vocab, int(n)).tolist() for n in np.linspace(1024, 2048, 16).round()]
         return ids, [[-100] * 256 + s[256:] for s in ids]
 
+    def agent_epoch():  # conversations of 4-12 turns, user 32-256 and assistant 64-512 tokens, 1k system prompt
+        head = rng.integers(1, vocab, 1024).tolist()
+        ids, labels = [], []
+        for _ in range(12):
+            history = list(head)
+            for _ in range(int(rng.integers(4, 13))):
+                prompt = history + rng.integers(1, vocab, int(rng.integers(32, 257))).tolist()
+                reply = rng.integers(1, vocab, int(rng.integers(64, 513))).tolist()
+                ids.append(prompt + reply)
+                labels.append([-100] * len(prompt) + reply)
+                history = prompt + reply
+        return ids, labels
+
     builders = {
         "turns_2x8": ("per-turn samples: 2 conversations x 8 turns (user 128, assistant 384), 1k system prompt",
                       lambda: _per_turn(rng, vocab, 2, 8, 1024, 128, 384)),
@@ -186,12 +201,16 @@ def sft_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
                       "answer 256), 1k system prompt", lambda: _per_turn(rng, vocab, 1, 8, 1024, 128, 256, 512)),
         "system": ("16 samples (user 256, answer 512) behind one 4k system prompt", system_prompt),
         "none": ("no sharing: 16 samples of 1024-2048 tokens (loss after 256)", none),
+        "agent_epoch": ("a dataset, not one micro-batch: per-turn samples of 12 conversations of 4-12 turns (user "
+                        "32-256, assistant 64-512 tokens), 1k system prompt, micro-batches of 8 with "
+                        "tree_shuffle='groups', two epochs: where the first steps' time goes", agent_epoch),
     }
-    chosen = list(builders) if names is None else list(names)
+    chosen = [n for n in builders if n != "agent_epoch"] if names is None else list(names)  # the epoch: on request
     unknown = set(chosen) - set(builders)
     if unknown:
         raise ValueError(f"unknown SFT shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
-    return [SFTShape(name, builders[name][0], *builders[name][1]()) for name in chosen]
+    return [SFTShape(name, builders[name][0], *builders[name][1](), batch_size=8 if name == "agent_epoch" else None)
+            for name in chosen]
 
 
 # ---------------------------------------------------------------------- DPO data shapes
@@ -218,7 +237,7 @@ def dpo_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
         "four_pairs_dataset": ("8 prompts of 2048 tokens, 4 pairs each (32 pairs), answers of 256, micro-batches "
                                "of 8 pairs", lambda: batch(8, 4, 2048, 256)),
     }
-    chosen = list(builders) if names is None else list(names)
+    chosen = [n for n in builders if n != "agent_epoch"] if names is None else list(names)  # the epoch: on request
     unknown = set(chosen) - set(builders)
     if unknown:
         raise ValueError(f"unknown DPO shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
@@ -297,7 +316,7 @@ def async_streams(vocab: int, names: tuple[str, ...] | None = None, groups: int 
                          "answer 256); turns past the 12th exceed the 8k budget",
                          lambda: _agent_rollouts(rng, vocab, groups, 2048, 28, 256, 256), 8192, 16384 + 512),
     }
-    chosen = list(builders) if names is None else list(names)
+    chosen = [n for n in builders if n != "agent_epoch"] if names is None else list(names)  # the epoch: on request
     unknown = set(chosen) - set(builders)
     if unknown:
         raise ValueError(f"unknown async streams {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")

@@ -13,6 +13,7 @@ of what the tree cannot compute exactly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 
@@ -29,6 +30,8 @@ from .bridge import bridge
 from .grad_sync import average_gradients
 from .grouping import group_cost, split_into_calls
 from .rows import PaddedRows
+
+logger = logging.getLogger(__name__)
 
 
 class TreeCallsMixin:
@@ -392,6 +395,23 @@ class TreeCallsMixin:
         if step_done:
             self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
             self._tree_step_seconds = 0.0
+            self._log_kernel_compiles()
+
+    def _log_kernel_compiles(self) -> None:
+        """``tree/kernel_compile_time``: what FlashAttention-4 spent this step compiling kernels for
+        variants it had not run yet (the first steps, a micro-batch of an unseen layout), logged
+        wherever FA4 was loaded; a step that spent over a second says so in the log."""
+        from ..attention import fa4
+
+        if fa4._interface.cache_info().currsize == 0 or fa4._interface() is None:  # FA4 not in use
+            return
+        kernels, seconds = fa4.take_compile_time()
+        self._metrics["train"]["tree/kernel_compile_time"].append(seconds)
+        if seconds > 1.0:
+            logger.warning(
+                "%s: FlashAttention-4 compiled %d kernel(s) in %.1f s of this step (variants not run before; later "
+                "steps reuse them, and FA4's disk cache, which trl_tree turns on with %s=1, keeps them for later runs)",
+                type(self).__name__, kernels, seconds, fa4.PERSISTENT_CACHE_VARIABLE)
 
     def _offline_training_step(self, model, inputs, num_items_in_batch):
         """An offline trainer's (SFT, DPO) micro-step: stock's, then the engine's pending gradient
