@@ -254,3 +254,19 @@ def test_fa4_disk_cache_is_on_unless_the_user_said_no(monkeypatch):
     monkeypatch.setenv(fa4.PERSISTENT_CACHE_VARIABLE, "0")
     fa4._interface.__wrapped__()
     assert fa4.os.environ[fa4.PERSISTENT_CACHE_VARIABLE] == "0"
+
+
+def test_the_construction_line_quoted_in_the_sft_docs_is_what_the_trainer_prints():
+    import inspect
+    import re
+
+    from trl_tree.trainers import sft_sampler
+
+    source = inspect.getsource(sft_sampler.announce_grouping)
+    template = re.search(r'"(%s: T/U %\.2f in TRL\'s order[^"]*)"\s*"([^"]*)"', source)
+    assert template, "the trainer's line in TRL's order is not where the test looks"
+    pattern = re.escape(template.group(1) + template.group(2)).replace(re.escape("%.2f"), r"\d+\.\d\d")
+    pattern = pattern.replace(re.escape("%s"), "TreeSFTTrainer")
+    with open("docs/sft.md") as f:
+        quoted = [line for line in f if line.startswith("TreeSFTTrainer: T/U")]
+    assert quoted and all(re.fullmatch(pattern, line.strip()) for line in quoted), quoted
