@@ -42,9 +42,8 @@ def _train(args, workdir: str) -> None:
     import torch
     from datasets import Dataset
 
-    from trl_tree.data_files import load_local_dataset
-
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
+    from trl_tree.data_files import load_local_dataset
     from trl_tree.toy import build_tiny_policy, learning_line, toy_preferences
 
     # every process builds the same tiny model from the same seed, so no file has to be shared

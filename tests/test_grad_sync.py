@@ -102,3 +102,18 @@ def test_a_large_non_contiguous_gradient_goes_through_a_copy_and_is_averaged():
     average_gradients([p], 2, all_reduce=reduce, bucket_bytes=1024)
     assert len(reduce.calls) == 1
     torch.testing.assert_close(p.grad, expected)
+
+
+# ---------------------------------------------------------------------- overlapped, on two processes
+def test_overlapped_average_equals_the_average_wherever_it_is_armed():
+    """Two gloo processes (``grad_overlap_check.py``), three backward passes per step: armed before
+    the last (the overlap), before the first (every bucket leaves early and is reduced again), never
+    (``finish`` alone), and a parameter only one rank trains (the others count as zeros; one no
+    rank trains keeps None): every gradient equals ``average_gradients``'s, and the ranks agree."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "grad_overlap_check.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -132,9 +132,8 @@ def test_local_worker_runs_the_tool_loop(tmp_path):
     from datasets import Dataset
 
     from trl_tree.tiny import tiny_model
-    from trl_tree.trainers.local_rollout import LocalRolloutWorker
-
     from trl_tree.toy import chat_tokenizer
+    from trl_tree.trainers.local_rollout import LocalRolloutWorker
 
     tok = chat_tokenizer()
     model = tiny_model("qwen2", vocab_size=len(tok))

@@ -188,7 +188,8 @@ def _offline_demo(args, threads: int) -> int:
         stock_logs = train_offline(args.algo, "off", args.stock_steps, checkpoint, os.path.join(tmp, "stock"))
         for i, h in enumerate(stock_logs, 1):
             print(f"{i:5d}  {h['loss']:6.3f}  {h['tree/dedup_ratio']:5.2f}  {h['tree/fwd_bwd_time'] * 1e3:6.0f} ms")
-    (t_tree, lo_tree, hi_tree, n_tree), (t_stock, lo_stock, hi_stock, n_stock) = per_step(tree_logs), per_step(stock_logs)
+    (t_tree, lo_tree, hi_tree, n_tree) = per_step(tree_logs)
+    (t_stock, lo_stock, hi_stock, n_stock) = per_step(stock_logs)
     print(f"\n{learning_line([h['loss'] for h in tree_logs], 'loss')}; "
           f"T/U {statistics.mean(h['tree/dedup_ratio'] for h in tree_logs):.2f}; forward+backward per step (median, "
           f"range over steps): stock {name} {t_stock:.0f} ms ({lo_stock:.0f}-{hi_stock:.0f}, {n_stock} steps), tree "

@@ -22,6 +22,7 @@ from ._inputs import SequenceLike
 from .attention import backends
 from .attention.buckets import BucketedLayout
 from .attention.support import attention_features
+from .backward_hooks import last_backward_starts
 from .cost_model import GroupBudget, choose_mode, default_memory_budget
 from .dfs.buckets import PADDED_BUDGET_SCALE
 from .dfs.graphs import walk_graphs
@@ -528,6 +529,7 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
         if router_term is not None:
             loss = loss + router_term
         if loss.requires_grad:
+            last_backward_starts()
             loss.backward()
     total = float(loss.detach())
     if not math.isfinite(total):

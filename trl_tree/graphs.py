@@ -161,7 +161,10 @@ def check_graphable(parts: ModelParts, backend: str, params: tuple[torch.nn.Para
     if backend not in GRAPH_BACKENDS:
         raise ValueError(f"cuda_graphs=True runs the {', '.join(GRAPH_BACKENDS)} backends, not {backend!r}")
     for p in params:
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+        hooks = (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
+        # a hook that marks itself skippable (the trainers' overlapped average: it only starts early what
+        # its finish() does anyway) may be left out of a replay
+        if p._backward_hooks or any(not getattr(h, "skippable_in_replay", False) for h in hooks):
             raise ValueError("cuda_graphs=True: a trainable parameter has a gradient hook, which a replayed "
                              "backward would skip; remove it or use cuda_graphs=False")
 

@@ -128,7 +128,8 @@ def pairs_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list[int
                 if chosen_set[0] == "prompt_ids":
                     prompt, completion = _ids(row["prompt_ids"]), _ids(row[f"{answer}_ids"])
                 elif "prompt" not in chosen_set:
-                    ids = _chat(tokenizer, row[answer]) if isinstance(row[answer], list) else _encode(tokenizer, row[answer])
+                    answer_row = row[answer]
+                    ids = _chat(tokenizer, answer_row) if isinstance(answer_row, list) else _encode(tokenizer, answer_row)
                     prompt, completion = ids[:1], ids[1:]
                 elif isinstance(row["prompt"], list):  # conversational
                     prompt = _chat(tokenizer, row["prompt"], row.get("tools"), generation_prompt=True)
@@ -158,7 +159,7 @@ def _chat(tokenizer, messages, tools=None, generation_prompt: bool = False) -> l
     if not isinstance(messages, list):
         raise InspectError(f"a chat must be a list of messages, got {type(messages).__name__}")
     for j, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
+        if not isinstance(message, dict) or not message.get("role"):
             raise InspectError(f"message {j} has no 'role' (each message is {{'role': ..., 'content': ...}}): "
                                f"{str(message)[:80]}")
     if getattr(tokenizer, "chat_template", None) is None:

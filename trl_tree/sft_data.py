@@ -42,7 +42,7 @@ def expand_turns(example: Mapping[str, Any], drop_reasoning: bool = False,
     rest = {key: value for key, value in example.items() if key != "messages"}
     samples = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message:
+        if not isinstance(message, Mapping) or not message.get("role"):  # missing, or None from a datasets column
             raise ValueError(f"message {i} is not a chat message with a 'role': {message!r}")
         if message["role"] != "assistant":
             continue

@@ -28,7 +28,6 @@ import torch
 
 from . import partial
 
-
 #: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
 #: causal flag, GQA packing, split and tile choices its heuristics make from the shapes — so the
 #: first steps of a run, and the first micro-batch of an unseen layout, pay for compiling. FA4's own

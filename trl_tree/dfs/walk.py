@@ -35,6 +35,7 @@ from ..attention.backends import DFS_BACKENDS, resolve_dfs_backend  # noqa: F401
 from ..attention.buckets import bucket
 from ..attention.dispatch import install
 from ..attention.kept import KeptAttention
+from ..backward_hooks import last_backward_starts
 from ..forest import PrefixForest, ScoringPlan
 from ..lm_head import score_predictions, score_rows
 from ..model_parts import ModelParts
@@ -243,8 +244,11 @@ class DepthFirstWalk:
         # replayed pushes are recomputed at their pop (engine: no keep_graph); the replayed head computes
         # no by-products, so a walk that hands them to its loss runs eagerly
         replay = self._replay(with_entropy) if not self.parts.head_outputs else None
-        for step in self.plan.steps:
+        last = len(self.plan.steps) - 1
+        for i, step in enumerate(self.plan.steps):
             u = step.unit
+            if i == last:  # the root's pop: after its backward (and the deferred head's) every gradient is final
+                last_backward_starts()
             if replay is not None and step.op == "push":
                 if replay.forward(self._unit(u), self._padded_unit(u)) is None:
                     with torch.no_grad():

@@ -66,3 +66,144 @@ def average_gradients(params: Iterable[torch.nn.Parameter], num_processes: int,
         flat.div_(num_processes)
         for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(part.view_as(g))
+
+
+class GradientAverager:
+    """Averages the gradients of ``params`` over processes, overlapped with the backward that makes
+    them final, as DDP's reducer does for its own forward.
+
+    ``arm()`` just before the last backward of an optimizer step (``backward_hooks``): each bucket
+    of gradients is moved into one flat buffer that the parameters' ``.grad`` then view into (one
+    bucket's copy at a time; the old tensors are freed), so the last backward accumulates into the
+    buffers in place; each parameter's post-accumulate hook marks it ready, and a bucket whose
+    parameters are all ready is all-reduced asynchronously while the backward goes on.
+    ``finish()`` (the step's synchronisation point) launches the buckets not launched yet, waits for
+    all, and divides by the number of processes — the sums ``average_gradients`` takes, so the update
+    is the same. Where an armed call was not the last to touch a gradient (accumulated again after its
+    bucket left), ``finish`` sees it (the gradient's tensor or version changed) and reduces that
+    bucket again: the result never depends on where the arming landed, only the overlap does.
+
+    Buckets follow the parameters in reverse order (the backward's: last layers first), each of one
+    device and dtype, ``bucket_bytes`` at most (DDP's default size). A parameter without a gradient
+    on this rank enters the sums as zeros; one that no rank has a gradient for keeps ``None`` (one
+    small all-reduce of presence flags per step tells), as the optimizer then skips it. The buffers
+    are not kept between steps: the optimizer's ``zero_grad`` frees them with the gradients.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], num_processes: int,
+                 bucket_bytes: int = 25 * 2**20, all_reduce: Callable | None = None):
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be at least 1, got {num_processes}")
+        self.params = [p for p in params if p.requires_grad]
+        self.num_processes = num_processes
+        self._all_reduce = all_reduce
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets = [[index[id(p)] for p in bucket]
+                        for bucket in gradient_buckets(list(reversed(self.params)), bucket_bytes)]
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.armed = False
+        #: of the last step: buckets launched during the backward (overlapped), reduced again, in all
+        self.last_step = {"overlapped": 0, "again": 0, "buckets": len(self.buckets)}
+        self._flat: list[torch.Tensor | None] = []
+        self._waiting: list[set[int]] = []
+        self._launched: dict[int, tuple[object, list[tuple[int, int] | None]]] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def _reduce(self, tensor: torch.Tensor, async_op: bool):
+        reduce = self._all_reduce if self._all_reduce is not None else torch.distributed.all_reduce
+        return reduce(tensor, async_op=async_op)
+
+    def _hook(self, i: int):
+        def ready(param: torch.nn.Parameter) -> None:
+            b = self.bucket_of[i]
+            if not self.armed or b in self._launched:
+                return  # not the step's last backward; or accumulated again after its bucket left (finish)
+            waiting = self._waiting[b]
+            waiting.discard(i)  # a set: a gradient accumulated twice counts once
+            if not waiting:
+                self._launch(b)
+        ready.skippable_in_replay = True  # a replayed backward skips it: finish() then launches the bucket
+        return ready
+
+    def _parts(self, b: int) -> list[torch.Tensor]:
+        params = [self.params[i] for i in self.buckets[b]]
+        return [part.view_as(p) for p, part in zip(params, self._flat[b].split([p.numel() for p in params]))]
+
+    def arm(self) -> None:
+        """From now on, a parameter whose gradient is accumulated is final: reduce its bucket once full."""
+        if self.armed:
+            return
+        self.armed = True
+        self._waiting = [set(bucket) for bucket in self.buckets]
+        self._launched = {}
+        self._flat = []
+        for b, bucket in enumerate(self.buckets):
+            first = self.params[bucket[0]]
+            dtype = first.grad.dtype if first.grad is not None else first.dtype
+            self._flat.append(torch.empty(sum(self.params[i].numel() for i in bucket), dtype=dtype,
+                                          device=first.device))
+            for i, part in zip(bucket, self._parts(b)):
+                p = self.params[i]
+                if p.grad is not None and p.grad.dtype == part.dtype:
+                    part.copy_(p.grad)
+                    p.grad = part  # the last backward accumulates here, in place
+                else:
+                    part.zero_()
+
+    def _launch(self, b: int) -> None:
+        stamps = []
+        for i, part in zip(self.buckets[b], self._parts(b)):
+            grad = self.params[i].grad
+            if grad is None:
+                part.zero_()
+                stamps.append(None)
+                continue
+            if grad.data_ptr() != part.data_ptr():  # made after arm(): a tensor of its own
+                part.copy_(grad)
+            stamps.append((id(grad), grad._version))
+        self._launched[b] = (self._reduce(self._flat[b], async_op=True), stamps)
+
+    def finish(self) -> None:
+        """Launch what is left, wait, and leave every gradient averaged (a view into its bucket)."""
+        if not self.params:
+            return
+        self.arm()  # an unarmed step: every bucket now, as average_gradients would
+        present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
+                               device=self.params[0].device)
+        overlapped, again = len(self._launched), 0
+        for b in range(len(self.buckets)):
+            if b not in self._launched:
+                self._launch(b)
+        self._reduce(present, async_op=False)
+        for b in range(len(self.buckets)):
+            work, stamps = self._launched[b]
+            if work is not None:
+                work.wait()
+            grads = [self.params[i].grad for i in self.buckets[b]]
+            if any((g is None) != (s is None) or (s is not None and (id(g), g._version) != s)
+                   for g, s in zip(grads, stamps)):  # changed after its bucket left: reduce it again
+                again += 1
+                del self._launched[b]
+                self._launch(b)
+                work = self._launched[b][0]
+                if work is not None:
+                    work.wait()
+            self._flat[b].div_(self.num_processes)
+        present = present.tolist()
+        for b, bucket in enumerate(self.buckets):
+            for i, part in zip(bucket, self._parts(b)):
+                p = self.params[i]
+                if not present[i]:
+                    p.grad = None  # no rank has a gradient for it: the optimizer skips it
+                elif p.grad is None or p.grad.data_ptr() != part.data_ptr():
+                    p.grad = part
+        self.armed = False
+        self._launched = {}
+        self._flat = []
+        self.last_step = {"overlapped": overlapped, "again": again, "buckets": len(self.buckets)}
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

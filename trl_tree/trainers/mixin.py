@@ -410,12 +410,12 @@ class TreeTrainerMixin(TreeCallsMixin):
         device = self.accelerator.device
         value_head = self._joint_value_head()
         if "policy" not in window.passes:
-            def backward(rows, calls, forests, rope_length, grads):
+            def backward(rows, calls, forests, rope_length, grads, last):
                 grad_logps, grad_entropies, grad_values = grads
                 if grad_logps is None:
                     grad_logps = torch.zeros(rows.shape, device=device)
                 self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, None, None,
-                                    self._call_kwargs(rope_length), value_head, grad_values, sync=False)
+                                    self._call_kwargs(rope_length), value_head, grad_values, sync=False, final=last)
 
             window.forward("policy", self._window_scorer(target, compute_entropy, value_head), backward, device)
             self._log_forests(window.forests)

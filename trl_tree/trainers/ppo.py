@@ -41,7 +41,6 @@ from .advantages import (
 from .bridge import bridge
 from .config import TreePPOConfig, as_tree_config
 from .critic import Critic, _DetachedInput
-from .grad_sync import average_gradients
 from .mixin import TreeTrainerMixin
 
 
@@ -281,17 +280,20 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 parts.append(torch.cat(tree_values(model, forest, head, score_from=rows.subset(call)[1], **kwargs)))
         return rows.to_padded(parts, calls)
 
-    def _tree_values_backward(self, policy, model, head, rows, calls, forests, grad, kwargs) -> None:
-        """The critic's tree backward with the per-token weights ``grad = dLoss/dvalue``."""
+    def _tree_values_backward(self, policy, model, head, rows, calls, forests, grad, kwargs,
+                              final: bool = True) -> None:
+        """The critic's tree backward with the per-token weights ``grad = dLoss/dvalue``; ``final``:
+        these calls end the step's critic backward (the last one's arms the critic's overlapped average)."""
         with self.critic.active(policy), self.accelerator.autocast():
-            for call, forest in zip(calls, forests):
+            for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 weights = grad[where].float()
 
                 def value_loss(v, seq_idx, pos, weights=weights, term_index=term_index):
                     return v * weights[term_index(seq_idx, pos)]
 
-                tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1], **kwargs)
+                with self._arming(self.critic, final and i == len(calls) - 1, self._critic_params()):
+                    tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1], **kwargs)
 
     def _window_values(self, window, micro: int, policy, model, head) -> torch.Tensor:
         """The critic's values of micro-step ``micro`` from the accumulation window's trees (the
@@ -302,10 +304,10 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                     return [self._tree_values(policy, model, head, rows, calls, forests,
                                               self._value_kwargs(rope_length))]
 
-            def backward(rows, calls, forests, rope_length, grads):
+            def backward(rows, calls, forests, rope_length, grads, last):
                 if grads[0] is not None:
                     self._tree_values_backward(policy, model, head, rows, calls, forests, grads[0],
-                                               self._value_kwargs(rope_length))
+                                               self._value_kwargs(rope_length), final=last)
 
             window.forward("critic", score, backward, self.accelerator.device)
         (values,) = window.outputs("critic", micro)
@@ -428,9 +430,13 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
             # the critic is never under DDP: its gradients, accumulated over the window, averaged once
-            critic = [p for p in self.critic.parameters() if p.grad is not None]
-            average_gradients(critic, self.accelerator.num_processes)
+            # (the buckets its last backward did not already send: _tree_values_backward's arming)
+            self._averager(self.critic, self._critic_params()).finish()
         return loss
+
+    def _critic_params(self) -> list[torch.nn.Parameter]:
+        """The critic's trainable parameters (value model or adapter, and head), averaged by hand."""
+        return [p for p in self.critic.parameters() if p.requires_grad]
 
     def _clip_grad_norm(self, model):
         """Clip the policy's and the critic's gradients together (one norm), as TRL 1.12's PPO did."""

@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from ..attention.support import attention_refusal
+from ..backward_hooks import before_last_backward
 from ..compile import compile_layers
 from ..engine import tree_backward, tree_logprobs
 from ..forest import PrefixForest
@@ -27,7 +28,7 @@ from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from ..packed import takes_padded_path
 from .bridge import bridge
-from .grad_sync import average_gradients
+from .grad_sync import GradientAverager
 from .grouping import group_cost, split_into_calls
 from .rows import PaddedRows
 
@@ -103,7 +104,7 @@ class TreeCallsMixin:
         own forward, which concatenates them to the padded batch; the tree calls the base model on
         its packed tokens and never sees them, so its numbers would not be stock's (measured: a
         different loss with prompt tuning, a crash under dfs)."""
-        configs = getattr(self.accelerator.unwrap_model(model), "peft_config", None)
+        configs = getattr(getattr(model, "module", model), "peft_config", None)  # under DDP: its module
         kinds = [str(getattr(c, "peft_type", type(c).__name__)).split(".")[-1] for c in (configs or {}).values()
                  if getattr(c, "is_prompt_learning", False)]
         if kinds:
@@ -316,7 +317,7 @@ class TreeCallsMixin:
     def _tree_backward(self, model, rows: PaddedRows, calls, forests, grad: torch.Tensor,
                        grad_entropies: torch.Tensor | None = None, router=None, grad_aux: torch.Tensor | None = None,
                        call_kwargs: dict | None = None, value_head=None, grad_values: torch.Tensor | None = None,
-                       sync: bool = True) -> None:
+                       sync: bool = True, final: bool | None = None) -> None:
         """Second pass: each call's backward with the per-token weights ``grad = dLoss/dlogp`` (and
         ``grad_entropies = dLoss/dentropy`` for an entropy bonus; ``grad_aux`` for the MoE
         load-balancing loss collected in ``router``; ``grad_values = dLoss/dvalue`` for the values
@@ -347,25 +348,51 @@ class TreeCallsMixin:
 
             return token_loss
 
-        self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy, router, value_head, sync)
+        self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy, router, value_head, sync, final)
 
     def _walk_calls(self, model, rows: PaddedRows, calls, forests, make_loss, kwargs: dict, with_entropy: bool = False,
-                    router=None, value_head=None, sync: bool = True) -> None:
+                    router=None, value_head=None, sync: bool = True, final: bool | None = None) -> None:
         """Each call's ``tree_backward`` with the token loss ``make_loss(where, term_index)`` builds
         for it (``rows.call_terms``: where its terms sit, and the engine's ``(seq_idx, pos)`` to their
         index), under the trainer's autocast (and FSDP2's gathered parameters); then the gradients'
-        synchronisation."""
+        synchronisation. ``final`` (default: ``sync``): the last call's last backward arms the
+        overlapped average (``_arming``)."""
+        final = sync if final is None else final
         with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
-            for call, forest in zip(calls, forests):
+            for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
-                tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
-                              with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
+                with self._arming(model, final and i == len(calls) - 1):
+                    tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
+                                  with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         if sync:
             self._sync_gradients(model)
 
+    def _averager(self, model, params=None) -> GradientAverager | None:
+        """The by-hand average over the processes of ``model``'s trainable gradients (``params``: these
+        instead, a PPO critic's), made once; None on one process and under FSDP2 (whose reduction is
+        ``trl_tree.fsdp``'s)."""
+        if self.accelerator.num_processes == 1 or self._fsdp2():
+            return None
+        averagers = self.__dict__.setdefault("_tree_averagers", {})
+        key = id(model)
+        if key not in averagers:
+            chosen = trainable_parameters(model) if params is None else params
+            averagers[key] = GradientAverager(chosen, self.accelerator.num_processes)
+        return averagers[key]
+
+    def _arming(self, model, last: bool, params=None):
+        """The context of a tree call: where it is the optimizer step's last for ``model``, its last
+        backward arms the overlapped average (``grad_sync.GradientAverager``), so each bucket's
+        all-reduce starts as soon as its gradients are final instead of after the whole backward."""
+        # not with CUDA graphs: a hook that ran while capturing would put a collective in the graph
+        arm = last and self.accelerator.sync_gradients and not self.args.tree_cuda_graphs
+        averager = self._averager(model, params) if arm else None
+        return before_last_backward(averager.arm if averager is not None else None)
+
     def _sync_gradients(self, model) -> None:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
-        (``grad_sync.average_gradients``: bucket by bucket, not one flat copy of every gradient).
+        (``grad_sync.GradientAverager``: the buckets the step's last backward did not already send,
+        then the wait for all).
         Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.fsdp.gathered``);
         their one reduction runs in ``training_step``, outside autograd's backward."""
         if self._fsdp2():
@@ -373,7 +400,7 @@ class TreeCallsMixin:
             return
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
-        average_gradients(trainable_parameters(model), self.accelerator.num_processes)
+        self._averager(model).finish()
 
     def _reduce_pending(self, model) -> None:
         """At an optimizer step's last micro-step under FSDP2: the one reduction of the gradients the

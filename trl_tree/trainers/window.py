@@ -44,7 +44,7 @@ SPLIT_ABOVE = 1.05
 #: results on ``rows`` (None where the pass has none of a kind)
 Score = Callable[[PaddedRows, list, list, int], Sequence[torch.Tensor | None]]
 #: a pass's backward over the owned rows: (rows, calls, forests, rope_length, padded gradients)
-Backward = Callable[[PaddedRows, list, list, int, Sequence[torch.Tensor | None]], None]
+Backward = Callable[[PaddedRows, list, list, int, Sequence[torch.Tensor | None], bool], None]
 
 
 @dataclass
@@ -249,8 +249,8 @@ class TreeWindow:
                 padded.append(owned.to_padded([torch.cat(mine)], [list(range(len(owned.sequences)))])
                               if owned.sequences else None)
             if owned.sequences:
-                for calls, forests, rope_length in groups:
-                    p.backward(owned, calls, forests, rope_length, padded)
+                for k, (calls, forests, rope_length) in enumerate(groups):
+                    p.backward(owned, calls, forests, rope_length, padded, k == len(groups) - 1)
         self.passes.clear()
 
     # ------------------------------------------------------------------ exchange

@@ -1,0 +1,94 @@
+"""Two gloo processes: ``GradientAverager`` against ``average_gradients`` (test_grad_sync.py runs it).
+
+Each rank trains the same small model on its own data with three backward passes per step (as a
+walk's units or a window's calls). The averager is armed before the last pass, before the first,
+or never; and in one case a parameter only rank 0 trains. Exits non-zero on any difference.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from trl_tree.trainers.grad_sync import GradientAverager, average_gradients  # noqa: E402
+
+CASES = ("last", "first", "never", "unused_here")
+
+
+def _passes(params, rank: int, case: str, arm=None) -> None:
+    g = torch.Generator().manual_seed(100 + rank)
+    layers = [(params[k], params[k + 1]) for k in range(0, 6, 2)]
+    for step in range(3):
+        if arm is not None and step == {"last": 2, "first": 0}.get(case, -1):
+            arm()
+        x = torch.randn(5, 8, generator=g)
+        for k, (w, b) in enumerate(layers):
+            x = torch.nn.functional.linear(x, w, b)
+            x = torch.tanh(x) if k < 2 else x
+        loss = x.pow(2).sum()
+        if case == "unused_here" and rank == 0:
+            loss = loss + torch.nn.functional.linear(x, params[6], params[7]).sum()
+        loss.backward()
+
+
+def worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for case in CASES:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)]
+        params = [p for layer in layers for p in layer.parameters()]
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        averager = GradientAverager(params, world, bucket_bytes=600)  # several buckets
+        _passes(params, rank, case, averager.arm)
+        averager.finish()
+        buckets = averager.last_step["buckets"]
+        # the bucket of the spare layer (the first, in reverse order) gets no gradient: it leaves at finish
+        expected = {"last": (buckets - 1, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0)}.get(case)
+        if expected is not None:  # last: the others left during the backward; first: each again at the end
+            assert (averager.last_step["overlapped"], averager.last_step["again"]) == expected, (case, averager.last_step)
+        _passes(reference, rank, case)
+        average_gradients(reference[:6], world)
+        if case == "unused_here":  # rank 0's gradient averaged with the other's zeros
+            for p in reference[6:]:
+                grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad)
+                p.grad = grad / world
+        results[case] = [(p.grad, r.grad) for p, r in zip(params, reference)]
+        averager.remove()
+    torch.save(results, f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.path.join(tempfile.mkdtemp(), "grads")
+    mp.spawn(worker, args=(2, port, path), nprocs=2, join=True)
+    ranks = [torch.load(f"{path}.{r}") for r in range(2)]
+    for rank, cases in enumerate(ranks):
+        for case, pairs in cases.items():
+            for k, (got, want) in enumerate(pairs):
+                if case != "unused_here" and k >= 6:  # no rank trained it: it stays None
+                    assert got is None and want is None, (rank, case, k, got)
+                    continue
+                assert got is not None and torch.equal(got, want), (rank, case, k, got, want)
+    for case in CASES:
+        for (a, _), (b, _) in zip(ranks[0][case], ranks[1][case]):
+            assert (a is None and b is None) or torch.equal(a, b), ("ranks disagree", case)
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
