@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                              "+buckets tree_cuda_graph_buckets=True, +micro tree_window='micro_step' (trees per "
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
-                             "+budget=N sets tree_token_budget=N; +fp32 trains without mixed precision (the launcher's "
+                             "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +fp32 trains without mixed precision (the launcher's "
                              "mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 tree_shuffle=args.tree_shuffle, tree_token_budget=budget,
                 tree_attn_backend=backend or "auto",
                 tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
+                tree_overlap_reduction="+nooverlap" not in flags,
                 max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
                 ddp_backend=args.ddp_backend,
                 per_device_train_batch_size=args.per_device or args.group,

@@ -119,6 +119,14 @@ class TreeArguments:
                   "runs outside the wrapper and the gradients are averaged by hand (not FSDP/DeepSpeed). Costs one "
                   "gradient-sized buffer and the graphs' activation pool."},
     )
+    tree_overlap_reduction: bool = field(
+        default=True,
+        metadata={"help": "Several processes under DDP, where the tree's own backward (dfs, tree_token_budget, "
+                  "accumulation windows, PPO's critic) averages the gradients by hand: start each bucket's "
+                  "all-reduce as soon as the step's last backward has made its gradients final, as DDP's reducer "
+                  "does, instead of after the whole backward (trainers/grad_sync.py). The same update either way; "
+                  "False is for comparing the two."},
+    )
     tree_cuda_graph_buckets: bool = field(
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
@@ -189,7 +197,8 @@ class TreeArguments:
         if self.tree_keep_graph and self.tree_cuda_graphs and self.tree_mode == "dfs":
             raise ValueError("tree_keep_graph=True keeps a pushed node's graph across its subtree, which the walk's "
                              "replayed units cannot (tree_cuda_graphs=True); leave tree_keep_graph at None")
-        for name in ("tree_keep_attention", "tree_compile_layers", "tree_cuda_graphs", "tree_cuda_graph_buckets"):
+        for name in ("tree_keep_attention", "tree_compile_layers", "tree_cuda_graphs", "tree_cuda_graph_buckets",
+                     "tree_overlap_reduction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -385,7 +385,8 @@ class TreeCallsMixin:
         backward arms the overlapped average (``grad_sync.GradientAverager``), so each bucket's
         all-reduce starts as soon as its gradients are final instead of after the whole backward."""
         # not with CUDA graphs: a hook that ran while capturing would put a collective in the graph
-        arm = last and self.accelerator.sync_gradients and not self.args.tree_cuda_graphs
+        arm = (last and self.accelerator.sync_gradients and not self.args.tree_cuda_graphs
+               and getattr(self.args, "tree_overlap_reduction", True))
         averager = self._averager(model, params) if arm else None
         return before_last_backward(averager.arm if averager is not None else None)
 
