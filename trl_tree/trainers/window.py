@@ -138,13 +138,10 @@ class TreeWindow:
     def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int):
         """Whole trees onto ranks (``balance``); while the busiest rank carries more than
         ``SPLIT_ABOVE`` × the mean, its heaviest tree is cut in two (rows in trie order, so each
-        half keeps its shared prefixes; each half pays the prompt again) — few large trees over many
-        ranks cannot be balanced whole. A cut that leaves the busiest rank as busy is kept too (two
-        equal trees on four ranks: cutting one lowers nothing until the other is cut as well), and
-        the plan with the least busy busiest rank seen is returned (whole trees where no cut helps)."""
+        half keeps its shared prefixes; each half pays the prompt again) where that lowers the
+        busiest rank's cost — few large trees over many ranks cannot be balanced whole."""
         costs = [cost(u) for u in units]
         bins, _, worst = balance(costs, ranks)
-        best = (max(sum(costs[u] for u in b) for b in bins), units, costs, bins)
         for _ in range(2 * ranks):
             totals = [sum(costs[u] for u in b) for b in bins]
             if worst <= SPLIT_ABOVE:
@@ -159,13 +156,10 @@ class TreeWindow:
             trial = units[:u] + halves + units[u + 1 :]
             trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
             trial_bins, _, trial_worst = balance(trial_costs, ranks)
-            trial_busiest = max(sum(trial_costs[i] for i in b) for b in trial_bins)
-            if trial_busiest > max(totals):
+            if max(sum(trial_costs[i] for i in b) for b in trial_bins) >= max(totals):
                 break
             units, costs, bins, worst = trial, trial_costs, trial_bins, trial_worst
-            if trial_busiest < best[0]:
-                best = (trial_busiest, units, costs, bins)
-        return best[1:]
+        return units, costs, bins
 
     @property
     def pays(self) -> bool:
