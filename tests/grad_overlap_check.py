@@ -1,8 +1,10 @@
 """Two gloo processes: ``GradientAverager`` against ``average_gradients`` (test_grad_sync.py runs it).
 
 Each rank trains the same small model on its own data with three backward passes per step (as a
-walk's units or a window's calls). The averager is armed before the last pass, before the first,
-or never; and in one case a parameter only rank 0 trains. Exits non-zero on any difference.
+walk's units or a window's calls). The averager is armed before the last pass (bit for bit the
+same sums), before the first (what the later passes add is reduced apart and added: equal up to
+rounding), or never; and in one case a parameter only rank 0 trains. Exits non-zero on any
+difference.
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def main() -> int:
                 if case != "unused_here" and k >= 6:  # no rank trained it: it stays None
                     assert got is None and want is None, (rank, case, k, got)
                     continue
-                assert got is not None and torch.equal(got, want), (rank, case, k, got, want)
+                assert got is not None, (rank, case, k)
+                if case == "first":  # what came after a bucket left is summed apart, then added: rounding only
+                    assert torch.allclose(got, want, rtol=1e-6, atol=1e-8), (rank, case, k, got, want)
+                else:  # armed where the gradients are final, or not at all: the very same sums
+                    assert torch.equal(got, want), (rank, case, k, got, want)
     for case in CASES:
         for (a, _), (b, _) in zip(ranks[0][case], ranks[1][case]):
             assert (a is None and b is None) or torch.equal(a, b), ("ranks disagree", case)

@@ -107,9 +107,10 @@ def test_a_large_non_contiguous_gradient_goes_through_a_copy_and_is_averaged():
 # ---------------------------------------------------------------------- overlapped, on two processes
 def test_overlapped_average_equals_the_average_wherever_it_is_armed():
     """Two gloo processes (``grad_overlap_check.py``), three backward passes per step: armed before
-    the last (the overlap), before the first (every bucket leaves early and is reduced again), never
+    the last (the overlap: bit for bit ``average_gradients``'s), before the first (every bucket
+    leaves early; what later passes add is reduced apart and added: equal up to rounding), never
     (``finish`` alone), and a parameter only one rank trains (the others count as zeros; one no
-    rank trains keeps None): every gradient equals ``average_gradients``'s, and the ranks agree."""
+    rank trains keeps None); the ranks agree."""
     import os
     import subprocess
     import sys

@@ -73,21 +73,23 @@ class GradientAverager:
     them final, as DDP's reducer does for its own forward.
 
     ``arm()`` just before the last backward of an optimizer step (``backward_hooks``): each bucket
-    of gradients is moved into one flat buffer that the parameters' ``.grad`` then view into (one
-    bucket's copy at a time; the old tensors are freed), so the last backward accumulates into the
-    buffers in place; each parameter's post-accumulate hook marks it ready, and a bucket whose
-    parameters are all ready is all-reduced asynchronously while the backward goes on.
-    ``finish()`` (the step's synchronisation point) launches the buckets not launched yet, waits for
-    all, and divides by the number of processes — the sums ``average_gradients`` takes, so the update
-    is the same. Where an armed call was not the last to touch a gradient (accumulated again after its
-    bucket left), ``finish`` sees it (the gradient's tensor or version changed) and reduces that
-    bucket again: the result never depends on where the arming landed, only the overlap does.
+    of gradients moves into one flat buffer that the parameters' ``.grad`` then view into (one
+    bucket's copy at a time, the old tensors freed; a parameter without a gradient yet gets a zeroed
+    view), so the last backward accumulates into the buffers in place. Each parameter's
+    post-accumulate hook marks it ready; a bucket whose parameters are all ready is all-reduced
+    asynchronously while the backward goes on, and its parameters let go of the buffer (``.grad``
+    None). ``finish()`` (the step's synchronisation point) launches the buckets not launched yet,
+    waits for all, and divides by the number of processes — the sums ``average_gradients`` takes, so
+    the update is the same. Where an armed call was not the last to touch a gradient, what it
+    accumulated after its bucket left is a tensor of its own: ``finish`` reduces those too (for a
+    bucket where any rank has one; the ranks agree on which through one small all-reduce of flags)
+    and adds them, so the result never depends on where the arming landed, only the overlap does.
 
     Buckets follow the parameters in reverse order (the backward's: last layers first), each of one
     device and dtype, ``bucket_bytes`` at most (DDP's default size). A parameter without a gradient
-    on this rank enters the sums as zeros; one that no rank has a gradient for keeps ``None`` (one
-    small all-reduce of presence flags per step tells), as the optimizer then skips it. The buffers
-    are not kept between steps: the optimizer's ``zero_grad`` frees them with the gradients.
+    on this rank enters the sums as zeros; one that no rank has a gradient for keeps ``None``, as
+    the optimizer then skips it. The buffers are not kept between steps: the optimizer's
+    ``zero_grad`` frees them with the gradients.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], num_processes: int,
@@ -102,11 +104,13 @@ class GradientAverager:
                         for bucket in gradient_buckets(list(reversed(self.params)), bucket_bytes)]
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.armed = False
-        #: of the last step: buckets launched during the backward (overlapped), reduced again, in all
+        #: of the last step: buckets launched during the backward (overlapped), topped up after, in all
         self.last_step = {"overlapped": 0, "again": 0, "buckets": len(self.buckets)}
-        self._flat: list[torch.Tensor | None] = []
+        self._flat: list[torch.Tensor] = []
         self._waiting: list[set[int]] = []
-        self._launched: dict[int, tuple[object, list[tuple[int, int] | None]]] = {}
+        self._launched: dict[int, object] = {}
+        self._present: set[int] = set()
+        self._late: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
     def _reduce(self, tensor: torch.Tensor, async_op: bool):
@@ -115,9 +119,13 @@ class GradientAverager:
 
     def _hook(self, i: int):
         def ready(param: torch.nn.Parameter) -> None:
+            if not self.armed:
+                return  # not the step's last backward
+            self._present.add(i)
             b = self.bucket_of[i]
-            if not self.armed or b in self._launched:
-                return  # not the step's last backward; or accumulated again after its bucket left (finish)
+            if b in self._launched:  # accumulated after its bucket left: a tensor of its own (finish adds it)
+                self._late.add(b)
+                return
             waiting = self._waiting[b]
             waiting.discard(i)  # a set: a gradient accumulated twice counts once
             if not waiting:
@@ -135,72 +143,62 @@ class GradientAverager:
             return
         self.armed = True
         self._waiting = [set(bucket) for bucket in self.buckets]
-        self._launched = {}
-        self._flat = []
+        self._launched, self._present, self._late, self._flat = {}, set(), set(), []
         for b, bucket in enumerate(self.buckets):
             first = self.params[bucket[0]]
-            dtype = first.grad.dtype if first.grad is not None else first.dtype
-            self._flat.append(torch.empty(sum(self.params[i].numel() for i in bucket), dtype=dtype,
+            self._flat.append(torch.empty(sum(self.params[i].numel() for i in bucket), dtype=first.dtype,
                                           device=first.device))
             for i, part in zip(bucket, self._parts(b)):
                 p = self.params[i]
-                if p.grad is not None and p.grad.dtype == part.dtype:
-                    part.copy_(p.grad)
-                    p.grad = part  # the last backward accumulates here, in place
-                else:
+                if p.grad is None:
                     part.zero_()
+                elif p.grad.dtype != part.dtype:
+                    raise ValueError(f"GradientAverager: a {p.grad.dtype} gradient of a {p.dtype} parameter; the "
+                                     "buckets hold the parameters' dtype")
+                else:
+                    self._present.add(i)
+                    part.copy_(p.grad)
+                p.grad = part  # the last backward accumulates here, in place
 
     def _launch(self, b: int) -> None:
-        stamps = []
         for i, part in zip(self.buckets[b], self._parts(b)):
-            grad = self.params[i].grad
-            if grad is None:
-                part.zero_()
-                stamps.append(None)
-                continue
-            if grad.data_ptr() != part.data_ptr():  # made after arm(): a tensor of its own
-                part.copy_(grad)
-            stamps.append((id(grad), grad._version))
-        self._launched[b] = (self._reduce(self._flat[b], async_op=True), stamps)
+            p = self.params[i]
+            if p.grad is not None and p.grad.data_ptr() != part.data_ptr():  # set anew since arm()
+                part.copy_(p.grad)
+            p.grad = None  # the buffer is the collective's now; a later accumulation is a tensor of its own
+        self._launched[b] = self._reduce(self._flat[b], async_op=True)
 
     def finish(self) -> None:
         """Launch what is left, wait, and leave every gradient averaged (a view into its bucket)."""
         if not self.params:
             return
         self.arm()  # an unarmed step: every bucket now, as average_gradients would
-        present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
-                               device=self.params[0].device)
-        overlapped, again = len(self._launched), 0
+        overlapped = len(self._launched)
         for b in range(len(self.buckets)):
             if b not in self._launched:
                 self._launch(b)
-        self._reduce(present, async_op=False)
+        # which parameters any rank has a gradient for, and which buckets any rank accumulated into late
+        flags = torch.zeros(len(self.params) + len(self.buckets), dtype=torch.int32, device=self._flat[0].device)
+        flags[sorted(self._present)] = 1
+        flags[[len(self.params) + b for b in sorted(self._late)]] = 1
+        self._reduce(flags, async_op=False)
+        flags = flags.tolist()
+        present, late = flags[: len(self.params)], flags[len(self.params):]
         for b in range(len(self.buckets)):
-            work, stamps = self._launched[b]
+            work = self._launched[b]
             if work is not None:
                 work.wait()
-            grads = [self.params[i].grad for i in self.buckets[b]]
-            if any((g is None) != (s is None) or (s is not None and (id(g), g._version) != s)
-                   for g, s in zip(grads, stamps)):  # changed after its bucket left: reduce it again
-                again += 1
-                del self._launched[b]
-                self._launch(b)
-                work = self._launched[b][0]
-                if work is not None:
-                    work.wait()
+            if late[b]:  # what was accumulated after the bucket left, summed over the ranks and added
+                extra = torch.cat([(self.params[i].grad if self.params[i].grad is not None
+                                    else torch.zeros_like(self.params[i])).reshape(-1) for i in self.buckets[b]])
+                self._reduce(extra, async_op=False)
+                self._flat[b].add_(extra)
             self._flat[b].div_(self.num_processes)
-        present = present.tolist()
-        for b, bucket in enumerate(self.buckets):
-            for i, part in zip(bucket, self._parts(b)):
-                p = self.params[i]
-                if not present[i]:
-                    p.grad = None  # no rank has a gradient for it: the optimizer skips it
-                elif p.grad is None or p.grad.data_ptr() != part.data_ptr():
-                    p.grad = part
+            for i, part in zip(self.buckets[b], self._parts(b)):
+                self.params[i].grad = part if present[i] else None  # none anywhere: the optimizer skips it
+        self.last_step = {"overlapped": overlapped, "again": sum(1 for x in late if x), "buckets": len(self.buckets)}
         self.armed = False
-        self._launched = {}
-        self._flat = []
-        self.last_step = {"overlapped": overlapped, "again": again, "buckets": len(self.buckets)}
+        self._launched, self._flat = {}, []
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
