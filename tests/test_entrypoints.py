@@ -281,3 +281,22 @@ def test_profile_sorts_kernels_by_kind():
     assert kind_of("Memcpy HtoD (Pinned -> Device)") == "elementwise"
     assert kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
     assert kind_of("some_custom_op") == "other"
+
+
+def test_last_step_profile_writes_the_operator_tables(tmp_path):
+    """``bench.trainer --profile``: the callback profiles the run's last optimizer step only."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_tree.bench.trainer import LastStepProfile
+
+    profile = LastStepProfile(str(tmp_path / "mode_rank0.txt"))
+    profile.on_step_begin(None, SimpleNamespace(global_step=0, max_steps=2), None)
+    assert profile.prof is None  # not the last step
+    profile.on_step_begin(None, SimpleNamespace(global_step=1, max_steps=2), None)
+    x = torch.randn(32, 32)
+    (x @ x).sum()
+    profile.on_step_end(None, SimpleNamespace(global_step=2, max_steps=2), None)
+    text = (tmp_path / "mode_rank0.txt").read_text()
+    assert "# by self_cpu_time_total" in text and "aten::mm" in text and profile.prof is None
