@@ -132,7 +132,7 @@ def _model_config(spec: str):
     is reachable and ``HF_HUB_OFFLINE`` is not set). A failure is one plain line."""
     import os
 
-    from .data_files import DataError as InspectError
+    from .data_files import DataError
 
     if spec.lower() in ("0.5b", "1.5b", "7b"):
         from .tiny import shaped_config
@@ -144,7 +144,7 @@ def _model_config(spec: str):
         try:
             return AutoConfig.from_pretrained(spec).get_text_config(), os.path.basename(os.path.dirname(spec)) or spec
         except Exception as e:
-            raise InspectError(f"--model: cannot read {spec} as a transformers config ({type(e).__name__})") from e
+            raise DataError(f"--model: cannot read {spec} as a transformers config ({type(e).__name__})") from e
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     for local_only in (True,) if offline or os.path.isdir(spec) else (True, False):
         try:
@@ -154,7 +154,7 @@ def _model_config(spec: str):
     where = "a directory here" if os.path.isdir(spec) else \
         "a size (0.5b, 1.5b, 7b), a config.json, a model directory, nor a cached hub id" + \
         ("" if offline else " (and the hub did not answer)")
-    raise InspectError(f"--model: {spec!r} is neither {where}" if not os.path.isdir(spec) else
+    raise DataError(f"--model: {spec!r} is neither {where}" if not os.path.isdir(spec) else
                        f"--model: {spec!r} is {where} without a readable config.json ({type(why).__name__})")
 
 

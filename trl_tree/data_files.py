@@ -18,30 +18,45 @@ class DataError(ValueError):
     without a traceback)."""
 
 
-def read_rows(path: str) -> list[dict]:
-    """Rows of a JSONL / JSON / Parquet file or of a ``datasets`` directory (``save_to_disk``)."""
+def _kind(path: str) -> str:
+    """``"dir"`` (a ``datasets`` directory), ``"parquet"`` or ``"json"`` (.jsonl, .json); anything else
+    — or nothing there — is a :class:`DataError`."""
     if not os.path.exists(path):
         raise DataError(f"no such file or directory: {path}")
     if os.path.isdir(path):
-        from datasets import load_from_disk
-
-        try:
-            data = load_from_disk(path)
-        except Exception as e:
-            raise DataError(f"{path} is not a dataset saved with save_to_disk ({e})") from e
-        if hasattr(data, "keys"):  # a DatasetDict: its first split
-            data = data[next(iter(data.keys()))]
-        return [dict(row) for row in data]
+        return "dir"
     lower = path.lower()
     if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith((".jsonl", ".json")):
+        return "json"
+    raise DataError(f"{path}: expected .jsonl, .json, .parquet or a datasets directory")
+
+
+def _from_disk(path: str):
+    """A ``datasets`` directory (``save_to_disk``): the dataset, or a DatasetDict's first split."""
+    from datasets import load_from_disk
+
+    try:
+        data = load_from_disk(path)
+    except Exception as e:
+        raise DataError(f"{path} is not a dataset saved with save_to_disk ({e})") from e
+    return data[next(iter(data.keys()))] if hasattr(data, "keys") else data
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a JSONL / JSON / Parquet file or of a ``datasets`` directory (``save_to_disk``)."""
+    kind = _kind(path)
+    if kind == "dir":
+        return [dict(row) for row in _from_disk(path)]
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         try:
             return pq.read_table(path).to_pylist()
         except Exception as e:
             raise DataError(f"cannot read {path} as Parquet ({e})") from e
-    if not lower.endswith((".jsonl", ".json")):
-        raise DataError(f"{path}: expected .jsonl, .json, .parquet or a datasets directory")
+    lower = path.lower()
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if lower.endswith(".json") and text.lstrip().startswith("["):
@@ -71,26 +86,18 @@ def load_local_dataset(path: str):
     """A local file or ``datasets`` directory as a ``datasets.Dataset`` (its first split), loaded by
     ``datasets`` as stock TRL scripts load it; a file it cannot read, or one with no rows, raises
     :class:`DataError` naming the line at fault."""
-    if not os.path.exists(path):
-        raise DataError(f"no such file or directory: {path}")
-    from datasets import load_dataset, load_from_disk
+    kind = _kind(path)
+    if kind == "dir":
+        data = _from_disk(path)
+    else:
+        from datasets import load_dataset
 
-    try:
-        if os.path.isdir(path):
-            data = load_from_disk(path)
-            data = data[next(iter(data.keys()))] if hasattr(data, "keys") else data
-        else:
-            lower = path.lower()
-            if not lower.endswith((".jsonl", ".json", ".parquet")):
-                raise DataError(f"{path}: expected .jsonl, .json, .parquet or a datasets directory")
-            data = load_dataset("parquet" if lower.endswith(".parquet") else "json", data_files=path, split="train")
-    except DataError:
-        raise
-    except Exception as e:  # say where the file is at fault, where it can be read line by line
-        rows = read_rows(path)
-        if not rows:
-            raise DataError(f"{path} has no rows: nothing to train on") from e
-        raise DataError(f"cannot load {path} ({type(e).__name__}: {e})") from e
+        try:
+            data = load_dataset(kind, data_files=path, split="train")
+        except Exception as e:  # say where the file is at fault, where it can be read line by line
+            if not read_rows(path):
+                raise DataError(f"{path} has no rows: nothing to train on") from e
+            raise DataError(f"cannot load {path} ({type(e).__name__}: {e})") from e
     if len(data) == 0:
         raise DataError(f"{path} has no rows: nothing to train on")
     return data

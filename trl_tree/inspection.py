@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data_files import DataError, read_rows
+from .data_files import DataError
+from .data_files import read_rows as load_rows  # noqa: F401  (the CLI's name for it)
 
 #: column sets understood, in the order they are tried
 COLUMN_SETS = (
@@ -37,11 +38,6 @@ PAIR_COLUMN_SETS = (
 
 #: a file, column or tokenizer problem, said plainly (the CLI prints it without a traceback)
 InspectError = DataError
-
-
-def load_rows(path: str) -> list[dict]:
-    """Rows of a JSONL / JSON / Parquet file or of a ``datasets`` directory (``data_files.read_rows``)."""
-    return read_rows(path)
 
 
 #: ``--tokenizer tiny``: the package's own character-level chat tokenizer (``toy.chat_tokenizer``)
@@ -128,8 +124,8 @@ def pairs_from_rows(rows: Sequence[dict], tokenizer=None) -> tuple[list[list[int
                 if chosen_set[0] == "prompt_ids":
                     prompt, completion = _ids(row["prompt_ids"]), _ids(row[f"{answer}_ids"])
                 elif "prompt" not in chosen_set:
-                    answer_row = row[answer]
-                    ids = _chat(tokenizer, answer_row) if isinstance(answer_row, list) else _encode(tokenizer, answer_row)
+                    text = row[answer]
+                    ids = _chat(tokenizer, text) if isinstance(text, list) else _encode(tokenizer, text)
                     prompt, completion = ids[:1], ids[1:]
                 elif isinstance(row["prompt"], list):  # conversational
                     prompt = _chat(tokenizer, row["prompt"], row.get("tools"), generation_prompt=True)

@@ -58,10 +58,23 @@ def expand_turns_batched(batch: Mapping[str, list], drop_reasoning: bool = False
                          reasoning_keys: Sequence[str] = REASONING_KEYS) -> dict[str, list]:
     """:func:`expand_turns` for ``datasets.Dataset.map(..., batched=True, remove_columns=...)``:
     ``dataset.map(expand_turns_batched, batched=True, remove_columns=dataset.column_names)``."""
+    return _expand_batch(batch, None, drop_reasoning, reasoning_keys)
+
+
+def _expand_batch(batch: Mapping[str, list], indices: Sequence[int] | None, drop_reasoning: bool,
+                  reasoning_keys: Sequence[str]) -> dict[str, list]:
+    """The batch's rows expanded, column by column; ``indices``: the rows' places in the dataset, named
+    in the error of a malformed conversation."""
     keys = list(batch)
     out: dict[str, list] = {}
     for row in range(len(batch[keys[0]]) if keys else 0):
-        for sample in expand_turns({key: batch[key][row] for key in keys}, drop_reasoning, reasoning_keys):
+        try:
+            samples = expand_turns({key: batch[key][row] for key in keys}, drop_reasoning, reasoning_keys)
+        except ValueError as e:
+            if indices is None:
+                raise
+            raise ValueError(f"row {indices[row]}: {e}") from None
+        for sample in samples:
             for key, value in sample.items():
                 out.setdefault(key, []).append(value)
     return out
@@ -72,20 +85,8 @@ def expand_turns_dataset(dataset, drop_reasoning: bool = False, reasoning_keys: 
     assistant turn. A malformed conversation's error names its row; a dataset whose conversations
     hold no assistant turn at all is an error here, not an empty dataset that fails later."""
 
-    def expand(batch, indices):
-        keys = list(batch)
-        out: dict[str, list] = {}
-        for row, index in enumerate(indices):
-            try:
-                samples = expand_turns({key: batch[key][row] for key in keys}, drop_reasoning, reasoning_keys)
-            except ValueError as e:
-                raise ValueError(f"row {index}: {e}") from None
-            for sample in samples:
-                for key, value in sample.items():
-                    out.setdefault(key, []).append(value)
-        return out
-
-    expanded = dataset.map(expand, batched=True, with_indices=True, remove_columns=dataset.column_names)
+    expanded = dataset.map(_expand_batch, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                           fn_kwargs={"drop_reasoning": drop_reasoning, "reasoning_keys": reasoning_keys})
     if hasattr(expanded, "__len__") and len(expanded) == 0:
         raise ValueError(f"none of the {len(dataset)} conversations has an assistant turn after its first message: "
                          "one sample per assistant turn leaves nothing to train")

@@ -237,7 +237,7 @@ def dpo_shapes(vocab: int, names: tuple[str, ...] | None = None, seed: int = 0) 
         "four_pairs_dataset": ("8 prompts of 2048 tokens, 4 pairs each (32 pairs), answers of 256, micro-batches "
                                "of 8 pairs", lambda: batch(8, 4, 2048, 256)),
     }
-    chosen = [n for n in builders if n != "agent_epoch"] if names is None else list(names)  # the epoch: on request
+    chosen = list(builders) if names is None else list(names)
     unknown = set(chosen) - set(builders)
     if unknown:
         raise ValueError(f"unknown DPO shapes {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
@@ -316,7 +316,7 @@ def async_streams(vocab: int, names: tuple[str, ...] | None = None, groups: int 
                          "answer 256); turns past the 12th exceed the 8k budget",
                          lambda: _agent_rollouts(rng, vocab, groups, 2048, 28, 256, 256), 8192, 16384 + 512),
     }
-    chosen = [n for n in builders if n != "agent_epoch"] if names is None else list(names)  # the epoch: on request
+    chosen = list(builders) if names is None else list(names)
     unknown = set(chosen) - set(builders)
     if unknown:
         raise ValueError(f"unknown async streams {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")

@@ -35,6 +35,16 @@ def bound_argument(init, name: str, args: tuple, kwargs: dict, skip: int = 1):
     return bound.arguments.get(name)
 
 
+def checked_train_dataset(trainer_name: str, init, call_args: tuple, kwargs: dict, args):
+    """The ``train_dataset`` of a call of stock's constructor ``init``, refused here where it has no
+    rows or, with the tree on, where it is streamed under ``tree_shuffle='groups'``."""
+    dataset = bound_argument(init, "train_dataset", call_args, kwargs)
+    refuse_empty(trainer_name, dataset)
+    if args.tree_mode != "off":
+        refuse_streaming_groups(trainer_name, dataset, args.tree_shuffle)
+    return dataset
+
+
 def refuse_empty(trainer_name: str, dataset, what: str = "train_dataset") -> None:
     """A dataset with no rows gets an error that says so (and the likely cause), not stock's bare
     ``StopIteration``."""

@@ -14,7 +14,7 @@ from peft import PeftModel
 from trl import DPOTrainer
 
 from .config import TreeDPOConfig, as_tree_config
-from .data_checks import bound_argument, refuse_empty, refuse_streaming_groups, warn_dropped_content
+from .data_checks import checked_train_dataset, warn_dropped_content
 from .dpo_stock_loss import NON_MODEL_KEYS, OUTPUT_NAMES, stock_loss, takes_the_batch, with_reference
 from .dpo_walk import one_pass_loss, walks_in_one_pass
 from .fused_forward import install_tree_head
@@ -31,15 +31,13 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
 
     def __init__(self, model, ref_model=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeDPOConfig, model, "DPO")
-        name = type(self).__name__
-        dataset = bound_argument(DPOTrainer.__init__, "train_dataset", (model, ref_model, args, *rest), kwargs)
-        refuse_empty(name, dataset)
         if args.tree_mode != "off":  # before stock's constructor, which acts on it
             self._refuse({"activation_offloading (its hooks on saved tensors are not verified with the tree's "
                           "backward)": bool(args.activation_offloading)})
-            refuse_streaming_groups(name, dataset, args.tree_shuffle)
+        dataset = checked_train_dataset(type(self).__name__, DPOTrainer.__init__, (model, ref_model, args, *rest),
+                                        kwargs, args)
         super().__init__(model, ref_model, args, *rest, **kwargs)
-        warn_dropped_content(name, dataset, self.processing_class)
+        warn_dropped_content(type(self).__name__, dataset, self.processing_class)
         self._install_tree_heads()
         self._setup_tree()
         if args.tree_mode != "off":

@@ -15,7 +15,7 @@ import torch
 from trl import SFTTrainer
 
 from .config import TreeSFTConfig, as_tree_config
-from .data_checks import bound_argument, refuse_empty, refuse_streaming_groups, warn_dropped_content
+from .data_checks import checked_train_dataset, warn_dropped_content
 from .sft_rows import SFTRows
 from .tree_calls import TreeCallsMixin
 
@@ -34,14 +34,11 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
 
     def __init__(self, model, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeSFTConfig, model, "SFT")
-        name = type(self).__name__
-        dataset = bound_argument(SFTTrainer.__init__, "train_dataset", (model, args, *rest), kwargs)
-        refuse_empty(name, dataset)
         if args.tree_mode != "off":  # before stock's constructor, which acts on some of them (offloading)
             self._refuse(self._refused_settings(args))
-            refuse_streaming_groups(name, dataset, args.tree_shuffle)
+        dataset = checked_train_dataset(type(self).__name__, SFTTrainer.__init__, (model, args, *rest), kwargs, args)
         super().__init__(model, args, *rest, **kwargs)
-        warn_dropped_content(name, dataset, self.processing_class)
+        warn_dropped_content(type(self).__name__, dataset, self.processing_class)
         self._setup_tree()
         if args.tree_mode != "off":
             from .sft_sampler import announce_grouping
