@@ -131,6 +131,8 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
     (12 rows) on 1 process. Writes each run's trained parameters and its tree metrics."""
     for algo, critic, mode, window in runs:
         train_window_run(checkpoint, out_dir, algo, critic, mode, window)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the two-pass bridge where the loss is separable too
+        train_window_run(checkpoint, out_dir, "grpo", None, "dfs", "accumulation", tag="twopass", tree_one_pass=False)
 
 
 def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | None, mode: str, window: str,

@@ -3,8 +3,10 @@
 Each rank trains the same small model on its own data with three backward passes per step (as a
 walk's units or a window's calls). The averager is armed before the last pass (bit for bit the
 same sums), before the first (what the later passes add is reduced apart and added: equal up to
-rounding), or never; and in one case a parameter only rank 0 trains. Exits non-zero on any
-difference.
+rounding), or never; in one case a parameter only rank 0 trains; in another only rank 0 runs a
+backward at all (a window's rank that owns no tree), its last bucket final first (as a tied
+weight's is), and both ranks exchange on a group of their own (``RankExchange``'s) between rank
+0's backward and ``finish`` — each group's collectives must line up: the buckets go in order. Exits non-zero on any difference.
 """
 
 from __future__ import annotations
@@ -20,46 +22,62 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from trl_tree.trainers.grad_sync import GradientAverager, average_gradients  # noqa: E402
 
-CASES = ("last", "first", "never", "unused_here")
+CASES = ("last", "first", "never", "unused_here", "idle_rank")
 
 
 def _passes(params, rank: int, case: str, arm=None) -> None:
+    """Three backward passes through the last three layers (params 2..7); the spare first layer
+    (params 0, 1: the last bucket, in the backward's reverse order) only where ``unused_here``."""
+    if case == "idle_rank" and rank == 1:
+        return  # a rank that owns no tree: no backward at all
     g = torch.Generator().manual_seed(100 + rank)
-    layers = [(params[k], params[k + 1]) for k in range(0, 6, 2)]
+    layers = [(params[k], params[k + 1]) for k in range(2, 8, 2)]
     for step in range(3):
-        if arm is not None and step == {"last": 2, "first": 0}.get(case, -1):
+        if arm is not None and step == {"last": 2, "first": 0, "idle_rank": 2}.get(case, -1):
             arm()
         x = torch.randn(5, 8, generator=g)
         for k, (w, b) in enumerate(layers):
             x = torch.nn.functional.linear(x, w, b)
             x = torch.tanh(x) if k < 2 else x
         loss = x.pow(2).sum()
-        if case == "unused_here" and rank == 0:
-            loss = loss + torch.nn.functional.linear(x, params[6], params[7]).sum()
+        if case in ("unused_here", "idle_rank") and rank == 0:  # the last bucket: final first in the backward
+            loss = loss + torch.nn.functional.linear(x, params[0], params[1]).sum()
         loss.backward()
 
 
 def worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    from trl_tree.trainers.exchange import RankExchange
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a mismatch fails
+    exchange = RankExchange(group=dist.new_group())
     results = {}
     for case in CASES:
         torch.manual_seed(0)
-        layers = [torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)]
+        layers = [torch.nn.Linear(4, 4), torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)]
         params = [p for layer in layers for p in layer.parameters()]
         reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
         averager = GradientAverager(params, world, bucket_bytes=600)  # several buckets
         _passes(params, rank, case, averager.arm)
+        if case == "idle_rank":  # the window's exchange while rank 0's buckets are in flight
+            assert exchange.all_gather_object(rank) == list(range(world))
         averager.finish()
         buckets = averager.last_step["buckets"]
         # the bucket of the spare layer (the first, in reverse order) gets no gradient: it leaves at finish
-        expected = {"last": (buckets - 1, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0)}.get(case)
+        expected = {"last": (buckets - 1, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0),
+                    "idle_rank": (buckets if rank == 0 else 0, 0)}.get(case)
         if expected is not None:  # last: the others left during the backward; first: each again at the end
             assert (averager.last_step["overlapped"], averager.last_step["again"]) == expected, (case, averager.last_step)
         _passes(reference, rank, case)
-        average_gradients(reference[:6], world)
+        if case == "idle_rank":  # rank 0's gradients averaged with rank 1's zeros
+            for p in reference:
+                p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            average_gradients(reference[:2], world)
+        average_gradients(reference[2:], world)
         if case == "unused_here":  # rank 0's gradient averaged with the other's zeros
-            for p in reference[6:]:
+            for p in reference[:2]:
                 grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(grad)
                 p.grad = grad / world
@@ -81,7 +99,7 @@ def main() -> int:
     for rank, cases in enumerate(ranks):
         for case, pairs in cases.items():
             for k, (got, want) in enumerate(pairs):
-                if case != "unused_here" and k >= 6:  # no rank trained it: it stays None
+                if case not in ("unused_here", "idle_rank") and k < 2:  # no rank trained it: it stays None
                     assert got is None and want is None, (rank, case, k, got)
                     continue
                 assert got is not None, (rank, case, k)

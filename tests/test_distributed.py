@@ -127,9 +127,13 @@ def test_windows_two_processes_equal_one_process(launched):
 
     ddp_check.main_windows(str(launched / "tiny"), str(launched),
                            [r for r in ddp_check.WINDOW_RUNS if r[2] == "off"])
-    for algo, critic, mode, window in ddp_check.WINDOW_RUNS:
-        run = "-".join(x for x in (algo, critic, mode, window) if x)
+    for algo, critic, mode, window, tag in [(*r, "") for r in ddp_check.WINDOW_RUNS] + [
+            ("grpo", None, "dfs", "accumulation", "twopass")]:
+        run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
         two = [torch.load(launched / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        if mode != "off" and window == "accumulation":  # the separable losses run in one pass unless told not to
+            one_pass = critic != "shared" and tag != "twopass"
+            assert set(two[0]["metrics"]["tree/passes"]) == {1.0 if one_pass else 2.0}, run
         one = torch.load(launched / f"win-{'-'.join(x for x in (algo, critic, 'off-auto') if x)}-p1_rank0.pt")
         for name, p in two[0]["params"].items():
             assert torch.equal(p, two[1]["params"][name]), f"{run}: ranks disagree on {name}"

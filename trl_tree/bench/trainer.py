@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                              "+buckets tree_cuda_graph_buckets=True, +micro tree_window='micro_step' (trees per "
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
-                             "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +fp32 trains without mixed precision (the launcher's "
+                             "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +twopass "
+                             "tree_one_pass=False; +bucket=MB ddp_bucket_cap_mb=MB; +fp32 trains without mixed precision (the launcher's "
                              "mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         flags, _, backend = run.partition("@")
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         budget = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("budget=")), None)
+        bucket_mb = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("bucket=")), None)
         fp32 = "+fp32" in flags
         mixed_precision = "no" if fp32 else "bf16"
         settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 tree_shuffle=args.tree_shuffle, tree_token_budget=budget,
                 tree_attn_backend=backend or "auto",
                 tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
-                tree_overlap_reduction="+nooverlap" not in flags,
+                tree_overlap_reduction="+nooverlap" not in flags, tree_one_pass="+twopass" not in flags,
+                ddp_bucket_cap_mb=bucket_mb,
                 max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
                 ddp_backend=args.ddp_backend,
                 per_device_train_batch_size=args.per_device or args.group,
@@ -384,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = unit_graph_stats(trainer.accelerator.unwrap_model(trainer.model))
         if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
             results[mode]["unit_graphs"] = stats
-        for key in ("tree/rank_imbalance", "tree/rank_imbalance_stock"):  # estimated max/mean cost over ranks
+        for key in ("tree/rank_imbalance", "tree/rank_imbalance_stock",  # estimated max/mean cost over ranks
+                    "tree/passes"):  # the policy backward's passes: 1 where the loss is separable (tree_one_pass)
             if key in logs[-1]:
                 results[mode][key.split("/")[1]] = round(logs[-1][key], 4)
         processes = trainer.accelerator.num_processes

@@ -127,6 +127,15 @@ class TreeArguments:
                   "does, instead of after the whole backward (trainers/grad_sync.py). The same update either way; "
                   "False is for comparing the two."},
     )
+    tree_one_pass: bool = field(
+        default=True,
+        metadata={"help": "GRPO and PPO: where the policy loss is a sum of per-token terms (token-level importance "
+                  "sampling; not VESPO, the off-policy or entropy mask, the entropy bonus or the MoE auxiliary loss), "
+                  "the tree's own backward (dfs, tree_token_budget, accumulation windows) computes each term's "
+                  "gradient as it scores the token: one forward and one backward, instead of a forward first and "
+                  "then TRL's loss gradient walked back (trainers/separable_loss.py). The same update; False is for "
+                  "comparing the two. Logged as tree/passes."},
+    )
     tree_cuda_graph_buckets: bool = field(
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
@@ -198,7 +207,7 @@ class TreeArguments:
             raise ValueError("tree_keep_graph=True keeps a pushed node's graph across its subtree, which the walk's "
                              "replayed units cannot (tree_cuda_graphs=True); leave tree_keep_graph at None")
         for name in ("tree_keep_attention", "tree_compile_layers", "tree_cuda_graphs", "tree_cuda_graph_buckets",
-                     "tree_overlap_reduction"):
+                     "tree_overlap_reduction", "tree_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -13,12 +13,20 @@ import torch
 
 
 class RankExchange:
-    """``rank`` and ``world`` of the default process group (0 and 1 when there is none)."""
+    """``rank`` and ``world`` of the default process group (0 and 1 when there is none); the
+    collectives run on ``group`` (default: the default group).
 
-    def __init__(self, rank: int | None = None, world: int | None = None) -> None:
+    Why a group of its own (:func:`exchange_group`): a window's trees are walked while the
+    gradients' all-reduces they make final are in flight on the default group
+    (``grad_sync.GradientAverager``), and a rank that owns no tree launches its all-reduces only
+    later. Collectives of one group must be issued in the same order on every rank, so the
+    window's exchanges, which every rank issues at the same points, go on another."""
+
+    def __init__(self, rank: int | None = None, world: int | None = None, group=None) -> None:
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if initialized else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if initialized else 1)
+        self.group = group
         if self.world > 1 and not initialized:
             raise RuntimeError(f"{self.world} ranks asked for but torch.distributed is not initialised")
 
@@ -27,7 +35,7 @@ class RankExchange:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
@@ -43,5 +51,22 @@ class RankExchange:
         flat = torch.cat([t.reshape(-1) for t in send])
         out = flat.new_empty(sum(recv_sizes))
         torch.distributed.all_to_all_single(out, flat, output_split_sizes=list(recv_sizes),
-                                            input_split_sizes=[t.numel() for t in send])
+                                            input_split_sizes=[t.numel() for t in send], group=self.group)
         return list(out.split(list(recv_sizes)))
+
+
+_EXCHANGE_GROUPS: dict[int, object] = {}
+
+
+def exchange_group():
+    """The process group of the windows' exchanges (every rank of the default group, a communicator
+    of their own), made on first use — a collective call, which every rank makes when its first
+    window opens; None on one process."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() == 1:
+        return None
+    key = id(torch.distributed.group.WORLD)  # a new default group (a later init) gets its own
+    if key not in _EXCHANGE_GROUPS:
+        _EXCHANGE_GROUPS[key] = torch.distributed.new_group()
+    return _EXCHANGE_GROUPS[key]

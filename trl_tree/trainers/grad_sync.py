@@ -77,7 +77,7 @@ class GradientAverager:
     bucket's copy at a time, the old tensors freed; a parameter without a gradient yet gets a zeroed
     view), so the last backward accumulates into the buffers in place. Each parameter's
     post-accumulate hook marks it ready; a bucket whose parameters are all ready is all-reduced
-    asynchronously while the backward goes on, and its parameters let go of the buffer (``.grad``
+    asynchronously, in bucket order, while the backward goes on, and its parameters let go of the buffer (``.grad``
     None). ``finish()`` (the step's synchronisation point) launches the buckets not launched yet,
     waits for all, and divides by the number of processes — the sums ``average_gradients`` takes, so
     the update is the same. Where an armed call was not the last to touch a gradient, what it
@@ -108,6 +108,8 @@ class GradientAverager:
         self.last_step = {"overlapped": 0, "again": 0, "buckets": len(self.buckets)}
         self._flat: list[torch.Tensor] = []
         self._waiting: list[set[int]] = []
+        self._full: set[int] = set()  # buckets whose gradients are all final, not launched yet
+        self._next = 0  # buckets launch in index order: the next one to go
         self._launched: dict[int, object] = {}
         self._present: set[int] = set()
         self._late: set[int] = set()
@@ -129,7 +131,8 @@ class GradientAverager:
             waiting = self._waiting[b]
             waiting.discard(i)  # a set: a gradient accumulated twice counts once
             if not waiting:
-                self._launch(b)
+                self._full.add(b)
+                self._launch_in_order()
         ready.skippable_in_replay = True  # a replayed backward skips it: finish() then launches the bucket
         return ready
 
@@ -144,6 +147,7 @@ class GradientAverager:
         self.armed = True
         self._waiting = [set(bucket) for bucket in self.buckets]
         self._launched, self._present, self._late, self._flat = {}, set(), set(), []
+        self._full, self._next = set(), 0
         for b, bucket in enumerate(self.buckets):
             first = self.params[bucket[0]]
             self._flat.append(torch.empty(sum(self.params[i].numel() for i in bucket), dtype=first.dtype,
@@ -160,6 +164,16 @@ class GradientAverager:
                     part.copy_(p.grad)
                 p.grad = part  # the last backward accumulates here, in place
 
+    def _launch_in_order(self) -> None:
+        """Launch the full buckets that are next in index order. Every rank then issues its
+        all-reduces in the same order whatever order its gradients became final in (a tied weight's
+        bucket is final early; a rank that owns no tree launches all of them in ``finish``), as
+        collectives on one process group must be; DDP's reducer keeps the same rule."""
+        while self._next in self._full:
+            self._full.discard(self._next)
+            self._launch(self._next)
+            self._next += 1
+
     def _launch(self, b: int) -> None:
         for i, part in zip(self.buckets[b], self._parts(b)):
             p = self.params[i]
@@ -174,9 +188,9 @@ class GradientAverager:
             return
         self.arm()  # an unarmed step: every bucket now, as average_gradients would
         overlapped = len(self._launched)
-        for b in range(len(self.buckets)):
-            if b not in self._launched:
-                self._launch(b)
+        for b in range(self._next, len(self.buckets)):  # the rest, in order
+            self._launch(b)
+        self._next, self._full = len(self.buckets), set()
         # which parameters any rank has a gradient for, and which buckets any rank accumulated into late
         flags = torch.zeros(len(self.params) + len(self.buckets), dtype=torch.int32, device=self._flat[0].device)
         flags[sorted(self._present)] = 1

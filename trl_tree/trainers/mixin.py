@@ -30,9 +30,10 @@ import torch
 from ..forest import PrefixForest
 from ..model_parts import model_parts, trainable_parameters
 from .bridge import bridge
-from .exchange import RankExchange
+from .exchange import RankExchange, exchange_group
 from .grouping import group_cost, plan_windows, prompt_groups, stock_order, take_rows
 from .rows import PaddedRows
+from .separable_loss import GRPOTokenLoss, why_not_separable
 from .tree_calls import TreeCallsMixin
 from .window import TreeWindow
 
@@ -47,12 +48,14 @@ MULTIMODAL_KEYS = (
 @dataclass
 class _WindowState:
     """The open accumulation window: its trees (None: its micro-steps run on their own), the
-    ``_step`` of its first and last micro-steps, and its micro-batches' tokens."""
+    ``_step`` of its first and last micro-steps, its micro-batches' tokens and TRL's inputs."""
 
     window: TreeWindow | None
     first: int
     last: int
     input_ids: list[torch.Tensor]
+    inputs: list[dict]  # TRL's buffered micro-batches: what each micro-step's loss reads
+    closes_step: bool  # its last micro-step is the optimizer step's last
 
 
 class TreeTrainerMixin(TreeCallsMixin):
@@ -270,13 +273,18 @@ class TreeTrainerMixin(TreeCallsMixin):
     def _check_finite(self, model, loss: torch.Tensor) -> None:
         """Raise before the optimizer can write a non-finite loss or gradient into the model, naming the
         micro-batch. Under fp16 loss scaling an overflow is expected and the scaler skips the step (the
-        Trainer's own handling), so nothing is raised there."""
+        Trainer's own handling), so nothing is raised there. The loss is checked at every micro-step;
+        the gradients (a norm over every parameter) at the optimizer step's last only: a non-finite
+        value stays so through the accumulation's sums, and a rank's micro-steps past the first often
+        add nothing (a one-pass window took the whole backward at its first)."""
         if getattr(self.accelerator, "scaler", None) is not None:
             return
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
-                 for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else []
-        finite_grads = bool(torch.stack(norms).isfinite().all()) if norms else True
+        finite_grads = True
+        if self.accelerator.sync_gradients:
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+                     for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
+            norms = torch._foreach_norm(grads) if grads else []
+            finite_grads = bool(torch.stack(norms).isfinite().all()) if norms else True
         value = float(loss.detach())
         if math.isfinite(value) and finite_grads:
             return
@@ -290,6 +298,80 @@ class TreeTrainerMixin(TreeCallsMixin):
             "optimizer step is not taken. Check the rewards and advantages (a reward function returning nan/inf) "
             "and the loss settings; tree_mode='off' runs TRL's own path on the same data"
         )
+
+    # ------------------------------------------------------------------ the loss in one pass
+    def _compute_loss(self, model, inputs):
+        """TRL's, with its ``inputs`` at hand for the policy's tree call: where the loss is a sum of
+        per-token terms (``_one_pass_loss``), the call computes each term's gradient as it scores
+        the token, without the two-pass bridge's forward first."""
+        self._tree_loss_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._tree_loss_inputs = None
+
+    def _why_two_pass(self) -> str | None:
+        """Why the policy's loss needs the two-pass bridge (None: it is a sum of per-token terms
+        ``separable_loss`` writes out)."""
+        return why_not_separable(self)
+
+    def _one_pass_loss(self) -> GRPOTokenLoss | None:
+        """The per-token policy loss where ``tree_one_pass`` is on and the loss is separable; None
+        where the two-pass bridge runs (the reason is said once, in the log)."""
+        if self.args.tree_mode == "off" or not getattr(self.args, "tree_one_pass", True):
+            return None
+        cached = self.__dict__.get("_tree_one_pass_loss")
+        if cached is None:
+            why = self._why_two_pass()
+            cached = (None if why else GRPOTokenLoss.of(self), why)
+            self._tree_one_pass_loss = cached
+            if why and (self.args.tree_mode == "dfs" or self._windows_on()):
+                logger.info("%s: the policy's tree backward runs in two passes (a forward first): %s",
+                            type(self).__name__, why)
+        return cached[0]
+
+    def _one_pass_calls(self, model, rows: PaddedRows, calls, forests, loss: GRPOTokenLoss, constants: torch.Tensor,
+                        with_entropy: bool, call_kwargs: dict, sync: bool, final: bool | None = None,
+                        closes_step: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each call's ``tree_backward`` with ``loss``'s per-token terms (``constants``: padded
+        ``(B, T, K)`` on ``rows``); returns the padded log-probs (and entropies) it scored on the way,
+        detached: their gradient is already in ``.grad``."""
+        device = rows.rows.device
+        logps = torch.zeros(rows.shape, device=device)
+        entropies = torch.zeros(rows.shape, device=device) if with_entropy else None
+
+        def make_loss(where, term_index):
+            call_constants = constants[where]
+
+            def token_loss(lp, seq_idx, pos, ent=None, entropy=None):
+                index = term_index(seq_idx, pos)
+                cell = (where[0][index], where[1][index])
+                logps.index_put_(cell, lp.detach().float())
+                if entropies is not None:
+                    entropies.index_put_(cell, (entropy if entropy is not None else ent).detach().float())
+                return loss.terms(lp, call_constants[index])
+
+            return token_loss
+
+        kwargs = {**self._mode_kwargs(), **call_kwargs}
+        # the entropies are values for TRL's metrics: the head's by-product, without a gradient — except
+        # where the walk replays CUDA graphs, whose head computes no by-products but the entropy it
+        # differentiates (unused by the loss, so no gradient flows through it)
+        replayed_walk = kwargs["mode"] == "dfs" and bool(kwargs["options"].cuda_graphs)
+        if with_entropy and not replayed_walk:
+            kwargs["head_outputs"] = ("entropy",)
+        self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy and replayed_walk,
+                         sync=sync, final=final, closes_step=closes_step)
+        self._metrics["train"]["tree/passes"].append(1.0)
+        return logps, entropies
+
+    def _one_pass_inputs(self, input_ids: torch.Tensor) -> dict | None:
+        """TRL's inputs of the loss being computed, where they are the micro-batch of ``input_ids``."""
+        inputs = getattr(self, "_tree_loss_inputs", None)
+        if inputs is None:
+            return None
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        return inputs if ids.shape == input_ids.shape and torch.equal(ids, input_ids) else None
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(
@@ -329,6 +411,15 @@ class TreeTrainerMixin(TreeCallsMixin):
         call_kwargs = self._call_kwargs(input_ids.shape[1])
         router = self._router() if compute_aux_loss else None
         value_head = self._joint_value_head() if differentiable else None
+        loss = self._one_pass_loss() if two_pass and router is None and value_head is None else None
+        inputs = self._one_pass_inputs(input_ids) if loss is not None else None
+        if inputs is not None:  # a sum of per-token terms: forward and backward in one pass
+            logps, entropies = self._one_pass_calls(self.accelerator.unwrap_model(model), rows, calls, forests, loss,
+                                                    loss.constants(self, inputs), compute_entropy, call_kwargs,
+                                                    sync=True)
+            logps, entropies, _, _ = bridge(logps, entropies, _gradient_already_taken)
+            self._log_forests(forests)
+            return logps, entropies, None
         # a two-pass call's forward-only first pass replays graphs too, which DDP's wrapper refuses; it
         # runs none of DDP's hooks anyway (no graph is built), so it takes the unwrapped model
         unwrapped = by_hand or (two_pass and self._graphs_by_hand())
@@ -339,6 +430,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         aux_loss = router.loss() if router is not None else None
         if two_pass:
             target = self.accelerator.unwrap_model(model)
+            self._metrics["train"]["tree/passes"].append(2.0)
 
             def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
                 self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, router, grad_aux,
@@ -383,15 +475,17 @@ class TreeTrainerMixin(TreeCallsMixin):
         n = min(remaining, spg - first)
         micro_inputs = self._buffered_inputs[first : first + n]
         input_ids = [torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in micro_inputs]
-        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes)
+        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes, exchange_group())
         window = None
         worth_trying = args.tree_window == "accumulation" or exchange.world > 1 or n > 1
+        closes_step = n == remaining
         if allowed and worth_trying:
             rows = [PaddedRows.from_padded(ids, torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1),
                                            b["completion_ids"].shape[1]) for ids, b in zip(input_ids, micro_inputs)]
             stock_two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
             window = self._new_window(self.model, rows, [ids.shape[1] for ids in input_ids], exchange,
-                                      bool(args.gradient_checkpointing), stock_two_pass)
+                                      bool(args.gradient_checkpointing), stock_two_pass,
+                                      one_pass=self._window_one_pass() is not None)
             metrics = self._metrics["train"]
             metrics["tree/rank_imbalance_stock"].append(window.stock_imbalance)
             if args.tree_window == "auto" and not window.pays:
@@ -399,7 +493,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                 window = None
             else:
                 metrics["tree/rank_imbalance"].append(window.imbalance)
-        self._tree_window = _WindowState(window, self._step, self._step + n - 1, input_ids)
+        self._tree_window = _WindowState(window, self._step, self._step + n - 1, input_ids, micro_inputs, closes_step)
         return self._tree_window
 
     def _window_policy(self, window: TreeWindow, micro: int, model, compute_entropy: bool):
@@ -409,7 +503,20 @@ class TreeTrainerMixin(TreeCallsMixin):
         target = self.accelerator.unwrap_model(model)
         device = self.accelerator.device
         value_head = self._joint_value_head()
+        loss = self._window_one_pass()
+        if "policy" not in window.passes and loss is not None:
+            state = self._tree_window
+
+            def run(rows, calls, forests, rope_length, constants, last):
+                return *self._one_pass_calls(target, rows, calls, forests, loss, constants, compute_entropy,
+                                            self._call_kwargs(rope_length), sync=False, final=last,
+                                            closes_step=state.closes_step), None  # no values
+
+            window.one_pass("policy", [loss.constants(self, inputs) for inputs in state.inputs], run, device)
+            self._log_forests(window.forests)
         if "policy" not in window.passes:
+            self._metrics["train"]["tree/passes"].append(2.0)
+
             def backward(rows, calls, forests, rope_length, grads, last):
                 grad_logps, grad_entropies, grad_values = grads
                 if grad_logps is None:
@@ -420,6 +527,9 @@ class TreeTrainerMixin(TreeCallsMixin):
             window.forward("policy", self._window_scorer(target, compute_entropy, value_head), backward, device)
             self._log_forests(window.forests)
         logps, entropies, values = window.outputs("policy", micro)
+        if loss is not None:  # one pass: TRL's loss runs on these for its value and metrics only
+            logps, entropies, _, _ = bridge(logps, entropies, _gradient_already_taken)
+            return logps, entropies, None
 
         def keep(grad_logps, grad_entropies, grad_aux, grad_values):
             window.add_grads("policy", micro, [grad_logps, grad_entropies, grad_values])
@@ -436,7 +546,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         the rows' own ranks — the placement of an accumulation window, forward only. Every process
         computes these passes at the same moment, so the collective calls line up."""
         rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
-        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes)
+        exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes, exchange_group())
         window = self._new_window(model, [rows], [input_ids.shape[1]], exchange, False, stock_two_pass=False)
         target = self.accelerator.unwrap_model(model)
         window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
@@ -445,13 +555,18 @@ class TreeTrainerMixin(TreeCallsMixin):
         return logps, entropies, None
 
     def _new_window(self, model, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange,
-                    gradient_checkpointing: bool, stock_two_pass: bool) -> TreeWindow:
+                    gradient_checkpointing: bool, stock_two_pass: bool, one_pass: bool = False) -> TreeWindow:
         """A window over ``micro_rows`` for ``model`` (its config costs the trees; a length-dependent
         RoPE keeps rows of different padded widths in different calls)."""
         parts = model_parts(model)
         return TreeWindow(micro_rows, widths, exchange, parts.causal_lm.config.get_text_config(),
                           gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
-                          stock_two_pass)
+                          stock_two_pass, one_pass)
+
+    def _window_one_pass(self) -> GRPOTokenLoss | None:
+        """The per-token loss of a window's policy pass in one pass; None with a critic on the
+        policy's trunk (its values' gradient is the value loss's, not written out here)."""
+        return self._one_pass_loss() if self._joint_value_head() is None else None
 
     def _window_scorer(self, target, compute_entropy: bool, value_head=None):
         """A window pass's forward over its owned rows: the tree calls without a graph (``_score_calls``)."""
@@ -473,12 +588,5 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._sync_gradients(self.accelerator.unwrap_model(model))
 
 
-
-
-
-
-
-
-
-
-
+def _gradient_already_taken(*grads) -> None:
+    """The bridge's backward after a one-pass call: its gradients are already in ``.grad``."""

@@ -18,3 +18,6 @@ class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
         args = as_tree_config(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._setup_tree()
+
+    def _why_two_pass(self) -> str | None:
+        return "RLOO's importance ratio is per sequence (the exponential of its summed log-probs)"

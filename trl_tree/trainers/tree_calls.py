@@ -351,17 +351,18 @@ class TreeCallsMixin:
         self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy, router, value_head, sync, final)
 
     def _walk_calls(self, model, rows: PaddedRows, calls, forests, make_loss, kwargs: dict, with_entropy: bool = False,
-                    router=None, value_head=None, sync: bool = True, final: bool | None = None) -> None:
+                    router=None, value_head=None, sync: bool = True, final: bool | None = None,
+                    closes_step: bool | None = None) -> None:
         """Each call's ``tree_backward`` with the token loss ``make_loss(where, term_index)`` builds
         for it (``rows.call_terms``: where its terms sit, and the engine's ``(seq_idx, pos)`` to their
         index), under the trainer's autocast (and FSDP2's gathered parameters); then the gradients'
         synchronisation. ``final`` (default: ``sync``): the last call's last backward arms the
-        overlapped average (``_arming``)."""
+        overlapped average (``_arming``; ``closes_step`` as there)."""
         final = sync if final is None else final
         with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
-                with self._arming(model, final and i == len(calls) - 1):
+                with self._arming(model, final and i == len(calls) - 1, closes_step=closes_step):
                     tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
                                   with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
         if sync:
@@ -369,7 +370,8 @@ class TreeCallsMixin:
 
     def _averager(self, model, params=None) -> GradientAverager | None:
         """The by-hand average over the processes of ``model``'s trainable gradients (``params``: these
-        instead, a PPO critic's), made once; None on one process and under FSDP2 (whose reduction is
+        instead, a PPO critic's), made once, in buckets of ``ddp_bucket_cap_mb`` (DDP's own setting,
+        25 MiB by default); None on one process and under FSDP2 (whose reduction is
         ``trl_tree.fsdp``'s)."""
         if self.accelerator.num_processes == 1 or self._fsdp2():
             return None
@@ -377,15 +379,20 @@ class TreeCallsMixin:
         key = id(model)
         if key not in averagers:
             chosen = trainable_parameters(model) if params is None else params
-            averagers[key] = GradientAverager(chosen, self.accelerator.num_processes)
+            cap_mb = getattr(self.args, "ddp_bucket_cap_mb", None) or 25  # DDP's knob and default
+            averagers[key] = GradientAverager(chosen, self.accelerator.num_processes, bucket_bytes=int(cap_mb * 2**20))
         return averagers[key]
 
-    def _arming(self, model, last: bool, params=None):
+    def _arming(self, model, last: bool, params=None, closes_step: bool | None = None):
         """The context of a tree call: where it is the optimizer step's last for ``model``, its last
         backward arms the overlapped average (``grad_sync.GradientAverager``), so each bucket's
-        all-reduce starts as soon as its gradients are final instead of after the whole backward."""
+        all-reduce starts as soon as its gradients are final instead of after the whole backward.
+        ``closes_step``: whether this micro-step's backward is the optimizer step's last (default:
+        it is the step's last micro-step; a one-pass window takes every backward of the window at its
+        first micro-step)."""
+        closes = self.accelerator.sync_gradients if closes_step is None else closes_step
         # not with CUDA graphs: a hook that ran while capturing would put a collective in the graph
-        arm = (last and self.accelerator.sync_gradients and not self.args.tree_cuda_graphs
+        arm = (last and closes and not self.args.tree_cuda_graphs
                and getattr(self.args, "tree_overlap_reduction", True))
         averager = self._averager(model, params) if arm else None
         return before_last_backward(averager.arm if averager is not None else None)

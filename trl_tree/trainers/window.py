@@ -18,6 +18,12 @@ same parameters, and the update is a sum over them and over ranks. So a window:
    ``trainers.bridge``); at the window's last micro-step they go back to the owners, which run one
    tree backward each (``token_loss = g · logp``), and the gradients are averaged as DDP would.
 
+Where the loss is a sum of per-token terms (``separable_loss``: GRPO's and PPO's policy loss in
+most settings), steps 3–4 become one pass (:meth:`TreeWindow.one_pass`): at the window's first
+micro-step every row's loss constants (advantage, old and reference log-probs, the normaliser's
+weight) go to the trees' owners, which run forward and backward at once and send the log-probs
+home, where TRL's loss code then runs for its value and metrics only.
+
 Rows never change hands in TRL's layout — only who computes their tokens — so every loss
 normaliser, advantage and metric is stock TRL's, and the update equals the untreed one.
 """
@@ -45,6 +51,9 @@ SPLIT_ABOVE = 1.05
 Score = Callable[[PaddedRows, list, list, int], Sequence[torch.Tensor | None]]
 #: a pass's backward over the owned rows: (rows, calls, forests, rope_length, padded gradients)
 Backward = Callable[[PaddedRows, list, list, int, Sequence[torch.Tensor | None], bool], None]
+#: a one-pass pass over the owned rows: (rows, calls, forests, rope_length, padded per-token constants
+#: ``(B, T, K)``, whether it is the last group of calls) -> padded per-token results, as ``Score``
+OnePass = Callable[[PaddedRows, list, list, int, torch.Tensor, bool], Sequence[torch.Tensor | None]]
 
 
 @dataclass
@@ -86,7 +95,7 @@ class TreeWindow:
 
     def __init__(self, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange, config,
                  gradient_checkpointing: bool, token_budget: int | None, split_by_width: bool,
-                 stock_two_pass: bool) -> None:
+                 stock_two_pass: bool, one_pass: bool = False) -> None:
         self.micro_rows, self.exchange, self.token_budget = micro_rows, exchange, token_budget
         gathered = exchange.all_gather_object(self.payload(micro_rows, widths))
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
@@ -103,7 +112,8 @@ class TreeWindow:
             extra = step_flops(cost, config, False) / 3 if two_pass else 0.0  # the forward without a graph
             return step_flops(cost, config, gradient_checkpointing) + extra
 
-        self.units, costs, bins = self._place(self.units, lambda u: flops(u, True), exchange.world)
+        # the window's policy pass: one forward+backward where the loss is separable (``one_pass``), else two
+        self.units, costs, bins = self._place(self.units, lambda u: flops(u, not one_pass), exchange.world)
         self.imbalance = imbalance(costs, bins)
         self.rank_costs = [sum(costs[u] for u in b) for b in bins]
         self.owner = [0] * len(self.rows)
@@ -169,19 +179,21 @@ class TreeWindow:
     def layout(self, device: torch.device) -> tuple[PaddedRows, list[tuple[list, list[PrefixForest], int]]]:
         """The owned rows and their tree calls: ``[(calls, forests, rope_length)]``, one entry per
         padded width where a length-dependent RoPE needs it (``split_by_width``; else one entry at
-        the widest), calls cut by ``token_budget``."""
+        the widest), calls cut by ``token_budget``. A row with nothing to score (a completion masked
+        whole) is left out: it adds no token to the flat per-token vectors either way."""
         if self._layout is None:
-            seqs = [torch.from_numpy(self.rows[g].tokens).to(device) for g in self.owned]
-            owned = PaddedRows.from_sequences(seqs, [self.rows[g].score_from for g in self.owned])
+            scored = [g for g in self.owned if self.rows[g].scored > 0]
+            seqs = [torch.from_numpy(self.rows[g].tokens).to(device) for g in scored]
+            owned = PaddedRows.from_sequences(seqs, [self.rows[g].score_from for g in scored])
             by_width: dict[int, list[int]] = {}
-            for i, g in enumerate(self.owned):
+            for i, g in enumerate(scored):
                 by_width.setdefault(self.rows[g].width, []).append(i)
             if not self._by_width and by_width:
-                by_width = {max(by_width): list(range(len(self.owned)))}
+                by_width = {max(by_width): list(range(len(scored)))}
             groups = []
             for width in sorted(by_width):
                 index = by_width[width]
-                lists = [self.rows[self.owned[i]].tokens.tolist() for i in index]
+                lists = [self.rows[scored[i]].tokens.tolist() for i in index]
                 calls = [[index[j] for j in call] for call in split_into_calls(lists, self.token_budget)]
                 groups.append((calls, [PrefixForest.from_sequences(owned.subset(c)[0]) for c in calls], width))
             self._layout = owned, groups
@@ -204,6 +216,36 @@ class TreeWindow:
             out = list(score(owned, calls, forests, rope_length))
             results = out if results is None else [b if a is None else a if b is None else a + b
                                                    for a, b in zip(results, out)]
+        self._bring_home(name, results, backward, device)
+
+    def one_pass(self, name: str, constants: list[torch.Tensor], run: OnePass, device: torch.device) -> None:
+        """A pass whose loss is a sum of per-token terms (``separable_loss``): each micro-step's
+        per-token ``constants`` (padded ``(B, T, K)`` on its rows) go to the trees' owners, which run
+        forward and backward at once (``run``), and each row's results come home as a forward's do.
+        Nothing is left for :meth:`backward`: the gradients are already in ``.grad``."""
+        if name in self.passes:
+            raise RuntimeError(f"the window's {name!r} pass already ran")
+        owned, groups = self.layout(device)
+        width = constants[0].shape[-1] if constants else 0
+        parts = [rows.flat(c.float()) if rows.sequences else torch.zeros(0, width, device=device)
+                 for rows, c in zip(self.micro_rows, constants)]
+        mine = self._send(torch.cat(parts), True, device, torch.float32)
+        padded = torch.zeros(*owned.shape, width, device=device)
+        if owned.sequences:
+            padded.index_put_(owned.positions([list(range(len(owned.sequences)))]), torch.cat(mine))
+        results: list[torch.Tensor | None] | None = None
+        for k, (calls, forests, rope_length) in enumerate(groups):
+            out = list(run(owned, calls, forests, rope_length, padded, k == len(groups) - 1))
+            results = out if results is None else [b if a is None else a if b is None else a + b
+                                                   for a, b in zip(results, out)]
+        if results is None:  # nothing to compute here: the kinds of results, empty
+            results = list(run(owned, [], [], 0, padded, True))
+        self._bring_home(name, results, None, device)
+
+    def _bring_home(self, name: str, results: list[torch.Tensor | None] | None, backward: Backward | None,
+                    device: torch.device) -> None:
+        """Send each owned row's per-token ``results`` to the row's home rank; keep them as the pass ``name``."""
+        owned, _ = self.layout(device)
         dtypes = self._agree(None if results is None else [None if r is None else r.dtype for r in results])
         outputs: list[list[torch.Tensor | None]] = [[None] * len(dtypes) for _ in self.micro_rows]
         for k, dtype in enumerate(dtypes):
@@ -274,15 +316,18 @@ class TreeWindow:
         counts = [self.rows[g].scored for g in sources]
         if flat is None:
             flat = torch.zeros(sum(counts), dtype=dtype, device=device)
+        trailing = tuple(flat.shape[1:])  # per-token vectors (a one-pass's constants) move whole
+        per_token = max(int(np.prod(trailing)), 1) if trailing else 1
         pieces = list(flat.to(dtype).split(counts)) if counts else []
         send = [[] for _ in range(self.exchange.world)]
         for g, piece in zip(sources, pieces):
             send[dest_of(g)].append(piece)
-        send_t = [torch.cat(s) if s else torch.zeros(0, dtype=dtype, device=device) for s in send]
+        send_t = [torch.cat(s).reshape(-1) if s else torch.zeros(0, dtype=dtype, device=device) for s in send]
         recv_sizes = [0] * self.exchange.world
         for g in targets:
             recv_sizes[src_of(g)] += self.rows[g].scored
-        received = self.exchange.all_to_all(send_t, recv_sizes)
+        received = self.exchange.all_to_all(send_t, [n * per_token for n in recv_sizes])
+        received = [r.view(-1, *trailing) for r in received]
         # targets arrive grouped by source rank, each group in target order: put them back in order
         cursor = [0] * self.exchange.world
         by_target = []
@@ -296,6 +341,6 @@ class TreeWindow:
         for m, rows in enumerate(self.micro_rows):
             n = len(rows.sequences)
             chunk = by_target[start : start + n]
-            out.append(torch.cat(chunk) if chunk else torch.zeros(0, dtype=dtype, device=device))
+            out.append(torch.cat(chunk) if chunk else torch.zeros(0, *trailing, dtype=dtype, device=device))
             start += n
         return out
