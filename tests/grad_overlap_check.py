@@ -6,7 +6,8 @@ same sums), before the first (what the later passes add is reduced apart and add
 rounding), or never; in one case a parameter only rank 0 trains; in another only rank 0 runs a
 backward at all (a window's rank that owns no tree), its last bucket final first (as a tied
 weight's is), and both ranks exchange on a group of their own (``RankExchange``'s) between rank
-0's backward and ``finish`` — each group's collectives must line up: the buckets go in order. Exits non-zero on any difference.
+0's backward and ``finish`` — each group's collectives must line up: the buckets go in order.
+Exits non-zero on any difference.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         expected = {"last": (buckets - 1, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0),
                     "idle_rank": (buckets if rank == 0 else 0, 0)}.get(case)
         if expected is not None:  # last: the others left during the backward; first: each again at the end
-            assert (averager.last_step["overlapped"], averager.last_step["again"]) == expected, (case, averager.last_step)
+            got = (averager.last_step["overlapped"], averager.last_step["again"])
+            assert got == expected, (case, averager.last_step)
         _passes(reference, rank, case)
         if case == "idle_rank":  # rank 0's gradients averaged with rank 1's zeros
             for p in reference:
