@@ -160,3 +160,7 @@ def test_accelerate_configs_are_valid_and_documented():
     assert kinds["fsdp2.yaml"] == ("FSDP", 2, None)
     assert kinds["deepspeed_zero2.yaml"][2] == 2 and kinds["deepspeed_zero3.yaml"][2] == 3
     assert kinds["single_gpu.yaml"][0] == "NO" and kinds["multi_gpu.yaml"][0] == "MULTI_GPU"
+    with open(os.path.join(folder, "multi_node.yaml")) as f:
+        nodes = yaml.safe_load(f)
+    assert kinds["multi_node.yaml"][0] == "MULTI_GPU" and nodes["num_machines"] > 1
+    assert nodes["num_processes"] % nodes["num_machines"] == 0 and nodes["main_process_ip"]
