@@ -106,6 +106,19 @@ def test_accumulation_windows_match_trl(checkpoint, kind, mode, overrides):
                       per_device_train_batch_size=2, **overrides)
     logs = [h for h in trainer.state.log_history if "tree/rank_imbalance" in h]
     assert logs and all(h["tree/dedup_ratio"] > 1.5 for h in logs), "the windows did not fuse the micro-steps"
+    # the loss written out (separable_loss): forward and backward at once; RLOO's per-sequence loss
+    # in one pass where its sequences stay in one call (packed)
+    assert all(h["tree/passes"] == 1.0 for h in logs), [h["tree/passes"] for h in logs]
+
+
+@pytest.mark.parametrize("kind,mode", [("grpo", "dfs"), ("rloo", "packed"), ("rloo", "dfs")])
+def test_two_pass_bridge_still_matches_trl(checkpoint, kind, mode):
+    """tree_one_pass=False: the two-pass bridge where the one-pass loss would serve (windows and the
+    micro-step path); the same update."""
+    trainer = compare(kind, checkpoint, mode, tree_fields={"tree_one_pass": False, "tree_window": "accumulation",
+                                                            "tree_shuffle": "rows"}, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4)
+    assert {h["tree/passes"] for h in trainer.state.log_history if "tree/passes" in h} == {2.0}
 
 
 @pytest.mark.parametrize("mode", ["packed", "dfs"])

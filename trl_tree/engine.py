@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -61,6 +62,11 @@ HEAD_OUTPUTS = ("is_top1", "mean_logits", "log_sum_sq_probs")
 #: and what ``tree_backward(head_outputs=...)`` can hand its loss: the entropies too, as constants (a
 #: metric: unlike ``with_entropy``, no gradient flows through them)
 BACKWARD_HEAD_OUTPUTS = HEAD_OUTPUTS + ("entropy",)
+
+#: set True by a ``tree_backward`` that had to score first: a coupled loss whose groups the walk's
+#: units split (``_linearised_loss``). Never reset here: a caller sets it False before its calls
+#: and reads it after (the trainers' ``tree/passes``).
+scored_first: ContextVar[bool] = ContextVar("scored_first", default=False)
 
 
 def _check_mode(mode: str) -> None:
@@ -509,6 +515,7 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
         if groups is not None and not keeps_groups(walk.plan, plan, groups):
             del walk  # its K/V stack; the scoring walk takes its own
             linearised = _linearised_loss(parts, forest, plan, opts, temperature, token_loss, with_entropy)
+            scored_first.set(True)
             token_loss = linearised[0]
             parts.head_outputs = {}  # the linear loss needs none: the walk may replay its units
             walk = _dfs_walk(parts, forest, plan, opts, temperature, keep_graph)

@@ -129,12 +129,13 @@ class TreeArguments:
     )
     tree_one_pass: bool = field(
         default=True,
-        metadata={"help": "GRPO and PPO: where the policy loss is a sum of per-token terms (token-level importance "
-                  "sampling; not VESPO, the off-policy or entropy mask, the entropy bonus or the MoE auxiliary loss), "
-                  "the tree's own backward (dfs, tree_token_budget, accumulation windows) computes each term's "
-                  "gradient as it scores the token: one forward and one backward, instead of a forward first and "
-                  "then TRL's loss gradient walked back (trainers/separable_loss.py). The same update; False is for "
-                  "comparing the two. Logged as tree/passes."},
+        metadata={"help": "GRPO, PPO and RLOO: where the policy loss is a sum of per-token terms (GRPO's with "
+                  "token-level importance sampling; not VESPO, the off-policy or entropy mask, the entropy bonus or "
+                  "the MoE auxiliary loss) or of per-sequence terms (RLOO's), the tree's own backward (dfs, "
+                  "tree_token_budget, accumulation windows) computes each term's gradient as it scores the tokens: "
+                  "one forward and one backward, instead of a forward first and then TRL's loss gradient walked "
+                  "back (trainers/separable_loss.py). The same update; False is for comparing the two. Logged as "
+                  "tree/passes."},
     )
     tree_cuda_graph_buckets: bool = field(
         default=False,

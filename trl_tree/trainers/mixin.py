@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from ..engine import scored_first
 from ..forest import PrefixForest
 from ..model_parts import model_parts, trainable_parameters
 from .bridge import bridge
 from .exchange import RankExchange, exchange_group
 from .grouping import group_cost, plan_windows, prompt_groups, stock_order, take_rows
 from .rows import PaddedRows
-from .separable_loss import GRPOTokenLoss, why_not_separable
+from .separable_loss import GRPOTokenLoss, OnePassLoss, why_not_separable
 from .tree_calls import TreeCallsMixin
 from .window import TreeWindow
 
@@ -315,7 +316,11 @@ class TreeTrainerMixin(TreeCallsMixin):
         ``separable_loss`` writes out)."""
         return why_not_separable(self)
 
-    def _one_pass_loss(self) -> GRPOTokenLoss | None:
+    def _one_pass_loss_of(self) -> OnePassLoss:
+        """The trainer's policy loss written out (``separable_loss``): GRPO's per-token terms here."""
+        return GRPOTokenLoss.of(self)
+
+    def _one_pass_loss(self) -> OnePassLoss | None:
         """The per-token policy loss where ``tree_one_pass`` is on and the loss is separable; None
         where the two-pass bridge runs (the reason is said once, in the log)."""
         if self.args.tree_mode == "off" or not getattr(self.args, "tree_one_pass", True):
@@ -323,14 +328,14 @@ class TreeTrainerMixin(TreeCallsMixin):
         cached = self.__dict__.get("_tree_one_pass_loss")
         if cached is None:
             why = self._why_two_pass()
-            cached = (None if why else GRPOTokenLoss.of(self), why)
+            cached = (None if why else self._one_pass_loss_of(), why)
             self._tree_one_pass_loss = cached
             if why and (self.args.tree_mode == "dfs" or self._windows_on()):
                 logger.info("%s: the policy's tree backward runs in two passes (a forward first): %s",
                             type(self).__name__, why)
         return cached[0]
 
-    def _one_pass_calls(self, model, rows: PaddedRows, calls, forests, loss: GRPOTokenLoss, constants: torch.Tensor,
+    def _one_pass_calls(self, model, rows: PaddedRows, calls, forests, loss: OnePassLoss, constants: torch.Tensor,
                         with_entropy: bool, call_kwargs: dict, sync: bool, final: bool | None = None,
                         closes_step: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each call's ``tree_backward`` with ``loss``'s per-token terms (``constants``: padded
@@ -349,7 +354,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                 logps.index_put_(cell, lp.detach().float())
                 if entropies is not None:
                     entropies.index_put_(cell, (entropy if entropy is not None else ent).detach().float())
-                return loss.terms(lp, call_constants[index])
+                return loss.terms(lp, call_constants[index], seq_idx)
 
             return token_loss
 
@@ -360,9 +365,14 @@ class TreeTrainerMixin(TreeCallsMixin):
         replayed_walk = kwargs["mode"] == "dfs" and bool(kwargs["options"].cuda_graphs)
         if with_entropy and not replayed_walk:
             kwargs["head_outputs"] = ("entropy",)
-        self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy and replayed_walk,
-                         sync=sync, final=final, closes_step=closes_step)
-        self._metrics["train"]["tree/passes"].append(1.0)
+        token = scored_first.set(False)
+        try:
+            self._walk_calls(model, rows, calls, forests, make_loss, kwargs, with_entropy and replayed_walk,
+                             sync=sync, final=final, closes_step=closes_step, coupled=loss.coupled)
+            # a coupled loss (RLOO's) whose sequences a walk's units split was scored first, in the engine
+            self._metrics["train"]["tree/passes"].append(2.0 if scored_first.get() else 1.0)
+        finally:
+            scored_first.reset(token)
         return logps, entropies
 
     def _one_pass_inputs(self, input_ids: torch.Tensor) -> dict | None:
@@ -563,7 +573,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                           gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
                           stock_two_pass, one_pass)
 
-    def _window_one_pass(self) -> GRPOTokenLoss | None:
+    def _window_one_pass(self) -> OnePassLoss | None:
         """The per-token loss of a window's policy pass in one pass; None with a critic on the
         policy's trunk (its values' gradient is the value loss's, not written out here)."""
         return self._one_pass_loss() if self._joint_value_head() is None else None

@@ -6,11 +6,13 @@ from trl import RLOOTrainer
 
 from .config import TreeRLOOConfig, as_tree_config
 from .mixin import TreeTrainerMixin
+from .separable_loss import RLOOSequenceLoss
 
 
 class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
     """Drop-in for ``trl.RLOOTrainer``: same constructor arguments; pass a :class:`TreeRLOOConfig`.
-    RLOO's sequence-level ratio works in both tree modes (``dfs`` through the two-pass backward)."""
+    RLOO's sequence-level ratio works in both tree modes; the engine's own backward (dfs, budgets,
+    windows) takes it in one pass where a sequence's terms stay together (``separable_loss``)."""
 
     _tag_names = ["trl", "rloo", "trl_tree"]
 
@@ -20,4 +22,11 @@ class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
         self._setup_tree()
 
     def _why_two_pass(self) -> str | None:
-        return "RLOO's importance ratio is per sequence (the exponential of its summed log-probs)"
+        if getattr(self, "aux_loss_enabled", False):
+            return "the MoE load-balancing loss is a function of the whole micro-batch's routing"
+        return None
+
+    def _one_pass_loss_of(self) -> RLOOSequenceLoss:
+        """RLOO's loss, a sum of per-sequence terms: one pass where the engine keeps a sequence's terms
+        together (packed calls; the walk where its plan does)."""
+        return RLOOSequenceLoss.of(self)

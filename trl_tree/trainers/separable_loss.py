@@ -1,5 +1,5 @@
-"""TRL GRPO's policy loss (also PPO's, which is GRPO's) as a sum of per-token terms — what lets the
-tree's backward run in one pass.
+"""TRL GRPO's policy loss (also PPO's, which is GRPO's) as a sum of per-token terms, and RLOO's as a
+sum of per-sequence terms — what lets the tree's backward run in one pass.
 
 Why: the two-pass bridge (``bridge.py``) runs a forward without a graph to get every log-prob, lets
 TRL's loss code take its gradient, then walks the tree again with those gradients. Where the loss
@@ -9,6 +9,11 @@ correction, the micro-batch's normaliser) — the tree can compute each term's g
 the token, and the first pass goes: one forward and one backward, as packed mode's single graph,
 for the depth-first walk and for accumulation windows (whose trees are computed away from the rows'
 own micro-steps).
+
+RLOO's ratio is per sequence (the exponential of its summed log-probs), so its terms couple a
+sequence's tokens: :class:`RLOOSequenceLoss` is handed to the engine as a loss on whole sequences
+(``tree_backward(coupled=...)``), which a packed call takes in one pass and the walk in one pass
+where its plan keeps each sequence's terms in one unit (else it scores first, inside the engine).
 
 This is a second statement of TRL's formula, so it is used only for the settings written out here
 (``why_not`` lists the rest: a sequence-level ratio, VESPO's sequence weights, the off-policy mask,
@@ -52,6 +57,8 @@ def why_not_separable(trainer) -> str | None:
 @dataclass(frozen=True)
 class GRPOTokenLoss:
     """TRL GRPO's ``_compute_loss`` for one token: ``weight · (is_ratio · policy_term + beta · kl)``."""
+
+    coupled = False  # each term a function of its own token's log-prob
 
     loss_type: str
     epsilon_low: float
@@ -110,7 +117,7 @@ class GRPOTokenLoss:
             is_ratio = torch.ones_like(mask)
         return torch.stack([weight, advantages, old, ref, is_ratio], dim=-1)
 
-    def terms(self, logp: torch.Tensor, constants: torch.Tensor) -> torch.Tensor:
+    def terms(self, logp: torch.Tensor, constants: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """Each token's share of the loss, differentiable in ``logp`` (``[n]``; ``constants`` ``[n, 5]``)."""
         weight, advantage, old, ref, is_ratio = constants.unbind(-1)
         logp = logp.float()
@@ -134,3 +141,45 @@ class GRPOTokenLoss:
                 kl = kl * ratio
             policy = policy + self.beta * kl
         return weight * policy
+
+
+@dataclass(frozen=True)
+class RLOOSequenceLoss:
+    """TRL RLOO's ``_compute_loss``: per sequence ``-min(r·A, clip(r)·A)`` with ``r = exp(Σ_t logp_t
+    - old)``, averaged over the micro-batch's rows and divided by the accumulation steps (the
+    Trainer's scaling: RLOO's loss is not scaled for them). Constants per token: the row's weight
+    ``1 / (rows · accumulation)``, advantage and old summed log-prob, and the completion mask."""
+
+    epsilon_low: float
+    epsilon_high: float
+
+    coupled = True  # a sequence's terms together: the engine hands all of them to one call
+
+    @classmethod
+    def of(cls, trainer) -> RLOOSequenceLoss:
+        return cls(epsilon_low=float(trainer.epsilon_low), epsilon_high=float(trainer.epsilon_high))
+
+    def constants(self, trainer, inputs: dict) -> torch.Tensor:
+        mask = inputs["completion_mask"].float()
+        rows, width = mask.shape
+        weight = torch.full_like(mask, 1.0 / (rows * trainer.current_gradient_accumulation_steps))
+        advantages = inputs["advantages"].float().reshape(rows, 1).expand(rows, width)
+        old = inputs["old_logps"].float().reshape(rows, 1).expand(rows, width)
+        return torch.stack([weight, advantages, old, mask], dim=-1)
+
+    def terms(self, logp: torch.Tensor, constants: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Every term of the sequences present (all of each: ``coupled``): each sequence's loss spread
+        evenly over its terms, so that their sum is the loss and its gradient flows through the sum."""
+        weight, advantage, old, mask = constants.unbind(-1)
+        logp = logp.float()
+        sequences, inverse = torch.unique(seq_idx, return_inverse=True)
+        summed = torch.zeros(len(sequences), device=logp.device).index_add(0, inverse, logp * mask)
+        count = torch.zeros(len(sequences), device=logp.device).index_add(0, inverse, torch.ones_like(logp))
+        ratio = torch.exp(summed[inverse] - old)
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_sequence = -torch.min(ratio * advantage, clipped * advantage)
+        return weight * per_sequence / count[inverse]
+
+
+#: what a one-pass policy call takes: ``constants(trainer, inputs)`` and ``terms(logp, constants, seq_idx)``
+OnePassLoss = GRPOTokenLoss | RLOOSequenceLoss

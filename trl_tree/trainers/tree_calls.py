@@ -17,6 +17,7 @@ import logging
 import time
 import warnings
 
+import numpy as np
 import torch
 
 from ..attention.support import attention_refusal
@@ -352,19 +353,21 @@ class TreeCallsMixin:
 
     def _walk_calls(self, model, rows: PaddedRows, calls, forests, make_loss, kwargs: dict, with_entropy: bool = False,
                     router=None, value_head=None, sync: bool = True, final: bool | None = None,
-                    closes_step: bool | None = None) -> None:
+                    closes_step: bool | None = None, coupled: bool = False) -> None:
         """Each call's ``tree_backward`` with the token loss ``make_loss(where, term_index)`` builds
         for it (``rows.call_terms``: where its terms sit, and the engine's ``(seq_idx, pos)`` to their
         index), under the trainer's autocast (and FSDP2's gathered parameters); then the gradients'
         synchronisation. ``final`` (default: ``sync``): the last call's last backward arms the
-        overlapped average (``_arming``; ``closes_step`` as there)."""
+        overlapped average (``_arming``; ``closes_step`` as there). ``coupled``: the loss couples
+        each sequence's terms (``tree_backward(coupled=...)``, one group per sequence)."""
         final = sync if final is None else final
         with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 with self._arming(model, final and i == len(calls) - 1, closes_step=closes_step):
+                    groups = {"coupled": np.arange(len(call))} if coupled else {}
                     tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
-                                  with_entropy=with_entropy, router=router, value_head=value_head, **kwargs)
+                                  with_entropy=with_entropy, router=router, value_head=value_head, **groups, **kwargs)
         if sync:
             self._sync_gradients(model)
 
