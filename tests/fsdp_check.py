@@ -127,6 +127,7 @@ def main(out_path: str) -> None:
             gathers = counts["all_gather"]
             reduce_gradients(model, torch.device("cpu"))
             results[(policy, run)] = {"errors": _errors(model, expected["two"]), "gathers": gathers,
+                                      "reduce_gathers": counts["all_gather"] - gathers,
                                       "reduce_scatters": counts["reduce_scatter"], "groups": groups,
                                       "sharded": type(model.lm_head.weight).__name__}
         # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept

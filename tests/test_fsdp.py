@@ -45,6 +45,8 @@ def test_fsdp2_walk_gathers_once_and_reduces_once_under_mixed_precision(tmp_path
             assert r["sharded"] == "DTensor", "the model was not sharded"
             assert r["gathers"] == 2 * r["groups"], f"{policy}/{run}: {r['gathers']} all-gathers for {r['groups']} x 2"
             assert r["reduce_scatters"] == r["groups"], f"{policy}/{run}: {r['reduce_scatters']} reductions"
+            # the reduce step's one-token forward gathers each group once, its backward not again
+            assert r["reduce_gathers"] == r["groups"], f"{policy}/{run}: {r['reduce_gathers']} gathers to reduce"
         assert results[(policy, "one-pass")]["sharded_after"] == "DTensor"
         for run, untreed in (("packed", "two"), ("budget", "two"), ("dfs", "two"), ("one-pass", "one")):
             worst = _worst(results[(policy, run)])

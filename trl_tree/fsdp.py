@@ -13,7 +13,8 @@ So, around the engine's backward:
 * :func:`reduce_gradients`, at an optimizer step's last micro-step, reduce-scatters what was
   accumulated in one collective per parameter group: a one-token forward of the model, its output
   times zero, backward with sync on (FSDP2 reduces the accumulated gradients with that backward's
-  own, which are zero).
+  own, which are zero). The parameters stay unsharded from that forward to its backward, so the
+  model is gathered once for it, not again for the backward.
 
 The price is the full parameters in memory during the walk (2 bytes per parameter in bf16),
 which is what "gather once per step" means.
@@ -79,8 +80,8 @@ def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     if not modules:
         return
     saved = [_settings(m) for m in modules]
-    for m, (after_forward, _, _) in zip(modules, saved):
-        _apply(m, after_forward, True, True)
+    for m in modules:  # kept unsharded from the forward to the backward: one all-gather, not two
+        _apply(m, False, True, True)
     try:
         out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), use_cache=False)
         logits = out.logits if hasattr(out, "logits") else out[0]
