@@ -49,9 +49,9 @@ from .common import dump
 #: rows on 1, 2 and 4 GPUs (stock TRL, trees per window), and the tree on one GPU at 16 rows
 MEASURED_64_ROWS = {1: (9079.7, 1413.4), 2: (4738.1, 804.5), 4: (2369.6, 459.6)}
 MEASURED_TREE_16_ROWS = 455.4
-#: collectives a window issues per optimizer step (token ids and plan, the constants out, the
-#: log-probs home, the kinds' agreement): counted in trainers/window.py's one-pass path
-WINDOW_COLLECTIVES = 6
+#: collectives a window issues per optimizer step in trainers/window.py's one-pass path: the token
+#: ids (an object all-gather: sizes, then data), the loss constants out, the log-probs home
+WINDOW_COLLECTIVES = 4
 BACKWARD_SHARE = 0.75  # of a step's compute under gradient checkpointing: recompute and 2x backward of 4
 
 

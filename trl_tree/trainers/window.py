@@ -240,23 +240,28 @@ class TreeWindow:
                                                    for a, b in zip(results, out)]
         if results is None:  # nothing to compute here: the kinds of results, empty
             results = list(run(owned, [], [], 0, padded, True))
-        self._bring_home(name, results, None, device)
+        # every rank ran ``run`` (if only on nothing), so every rank knows the kinds: no agreement needed
+        self._bring_home(name, results, None, device, [None if r is None else r.dtype for r in results])
 
     def _bring_home(self, name: str, results: list[torch.Tensor | None] | None, backward: Backward | None,
-                    device: torch.device) -> None:
-        """Send each owned row's per-token ``results`` to the row's home rank; keep them as the pass ``name``."""
+                    device: torch.device, dtypes: list[torch.dtype | None] | None = None) -> None:
+        """Send each owned row's per-token ``results`` to the row's home rank; keep them as the pass
+        ``name``. The kinds of one dtype travel together (one all-to-all); ``dtypes``: the kinds,
+        where every rank knows them (else the ranks agree on them first)."""
         owned, _ = self.layout(device)
-        dtypes = self._agree(None if results is None else [None if r is None else r.dtype for r in results])
+        if dtypes is None:
+            dtypes = self._agree(None if results is None else [None if r is None else r.dtype for r in results])
         outputs: list[list[torch.Tensor | None]] = [[None] * len(dtypes) for _ in self.micro_rows]
-        for k, dtype in enumerate(dtypes):
-            if dtype is None:
-                continue
-            flat = owned.flat(results[k]) if results is not None and results[k] is not None else None
-            home_flat = self._send(flat, False, device, dtype)
+        for dtype in dict.fromkeys(d for d in dtypes if d is not None):
+            kinds = [k for k, d in enumerate(dtypes) if d == dtype]
+            flats = [owned.flat(results[k]) if results is not None and results[k] is not None
+                     else torch.zeros(len(owned.rows), dtype=dtype, device=device) for k in kinds]
+            home_flat = self._send(torch.stack(flats, dim=-1), False, device, dtype)
             for m, rows in enumerate(self.micro_rows):
-                part = home_flat[m]
-                outputs[m][k] = rows.to_padded([part], [list(range(len(rows.sequences)))]) if rows.sequences \
-                    else part.new_zeros(rows.shape)
+                for j, k in enumerate(kinds):
+                    part = home_flat[m][:, j]
+                    outputs[m][k] = rows.to_padded([part], [list(range(len(rows.sequences)))]) if rows.sequences \
+                        else part.new_zeros(rows.shape)
         self.passes[name] = _Pass(backward, dtypes, outputs, [[None] * len(dtypes) for _ in self.micro_rows])
 
     def outputs(self, name: str, micro: int) -> list[torch.Tensor | None]:
