@@ -46,6 +46,37 @@ def _passes(params, rank: int, case: str, arm=None) -> None:
         loss.backward()
 
 
+def _two_averagers(rank: int, world: int, exchange) -> list:
+    """A policy's and a critic's averagers (PPO's), rank 1 owning no tree: rank 0 runs both
+    backwards, each followed by its ``flush``; rank 1 only flushes. Then the window's exchange and
+    both ``finish``es. Every rank issues the policy's buckets, the critic's, then their flags: the
+    order ``flush`` fixes (without it rank 1 would send the policy's flags before the critic's
+    buckets). Returns (got, want) pairs."""
+    torch.manual_seed(1)
+    policy, critic = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+    params = list(policy.parameters()) + list(critic.parameters())
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    averagers = GradientAverager(params[:2], world, bucket_bytes=200), GradientAverager(params[2:], world, 64)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))
+    for averager, loss in zip(averagers, (lambda w: torch.tanh(torch.nn.functional.linear(x, w[0], w[1])).sum(),
+                                          lambda w: torch.nn.functional.linear(x @ torch.ones(8, 16), w[2], w[3]).sum())):
+        if rank == 0:
+            averager.arm()
+            loss(params).backward()
+        averager.flush()
+    assert exchange.all_gather_object(rank) == list(range(world))
+    for averager in averagers:
+        averager.finish()
+        averager.remove()
+    if rank == 0:
+        torch.tanh(torch.nn.functional.linear(x, reference[0], reference[1])).sum().backward()
+        torch.nn.functional.linear(x @ torch.ones(8, 16), reference[2], reference[3]).sum().backward()
+    for p in reference:
+        p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
+    average_gradients(reference, world)
+    return [(p.grad, r.grad) for p, r in zip(params, reference)]
+
+
 def worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from datetime import timedelta
@@ -85,6 +116,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
                 p.grad = grad / world
         results[case] = [(p.grad, r.grad) for p, r in zip(params, reference)]
         averager.remove()
+    results["two_averagers"] = _two_averagers(rank, world, exchange)
     torch.save(results, f"{path}.{rank}")
     dist.destroy_process_group()
 
@@ -100,6 +132,8 @@ def main() -> int:
     ranks = [torch.load(f"{path}.{r}") for r in range(2)]
     for rank, cases in enumerate(ranks):
         for case, pairs in cases.items():
+            if case == "two_averagers":
+                continue
             for k, (got, want) in enumerate(pairs):
                 if case not in ("unused_here", "idle_rank") and k < 2:  # no rank trained it: it stays None
                     assert got is None and want is None, (rank, case, k, got)
@@ -109,7 +143,10 @@ def main() -> int:
                     assert torch.allclose(got, want, rtol=1e-6, atol=1e-8), (rank, case, k, got, want)
                 else:  # armed where the gradients are final, or not at all: the very same sums
                     assert torch.equal(got, want), (rank, case, k, got, want)
-    for case in CASES:
+    for rank, cases in enumerate(ranks):
+        for k, (got, want) in enumerate(cases["two_averagers"]):
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-8), (rank, "two_averagers", k, got, want)
+    for case in (*CASES, "two_averagers"):
         for (a, _), (b, _) in zip(ranks[0][case], ranks[1][case]):
             assert (a is None and b is None) or torch.equal(a, b), ("ranks disagree", case)
     print("ok")

@@ -182,6 +182,18 @@ class GradientAverager:
             p.grad = None  # the buffer is the collective's now; a later accumulation is a tensor of its own
         self._launched[b] = self._reduce(self._flat[b], async_op=True)
 
+    def flush(self) -> None:
+        """Launch every bucket not launched yet, in order, without waiting: called right after the
+        step's last backward on every rank (on a rank that ran none too), so that all ranks issue
+        this averager's all-reduces at the same point, before another averager's (a PPO critic's)
+        and before ``finish``'s small flag all-reduce. What is accumulated later is reduced apart."""
+        if not self.params:
+            return
+        self.arm()
+        for b in range(self._next, len(self.buckets)):
+            self._launch(b)
+        self._next, self._full = len(self.buckets), set()
+
     def finish(self) -> None:
         """Launch what is left, wait, and leave every gradient averaged (a view into its bucket)."""
         if not self.params:

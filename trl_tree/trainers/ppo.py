@@ -294,6 +294,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
                 with self._arming(self.critic, final and i == len(calls) - 1, self._critic_params()):
                     tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1], **kwargs)
+        if final:
+            self._flush_average(self.critic, self._critic_params())
 
     def _window_values(self, window, micro: int, policy, model, head) -> torch.Tensor:
         """The critic's values of micro-step ``micro`` from the accumulation window's trees (the
@@ -305,7 +307,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                                               self._value_kwargs(rope_length))]
 
             def backward(rows, calls, forests, rope_length, grads, last):
-                if grads[0] is not None:
+                if grads[0] is not None or not calls:  # a rank without trees still flushes its average
                     self._tree_values_backward(policy, model, head, rows, calls, forests, grads[0],
                                                self._value_kwargs(rope_length), final=last)
 

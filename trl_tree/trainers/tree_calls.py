@@ -368,6 +368,8 @@ class TreeCallsMixin:
                     groups = {"coupled": np.arange(len(call))} if coupled else {}
                     tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
                                   with_entropy=with_entropy, router=router, value_head=value_head, **groups, **kwargs)
+        if final:
+            self._flush_average(model, closes_step=closes_step)
         if sync:
             self._sync_gradients(model)
 
@@ -393,12 +395,22 @@ class TreeCallsMixin:
         ``closes_step``: whether this micro-step's backward is the optimizer step's last (default:
         it is the step's last micro-step; a one-pass window takes every backward of the window at its
         first micro-step)."""
+        averager = self._averager(model, params) if last and self._overlaps(closes_step) else None
+        return before_last_backward(averager.arm if averager is not None else None)
+
+    def _overlaps(self, closes_step: bool | None = None) -> bool:
+        """Whether this backward's gradients are averaged overlapped with it (``_arming``)."""
         closes = self.accelerator.sync_gradients if closes_step is None else closes_step
         # not with CUDA graphs: a hook that ran while capturing would put a collective in the graph
-        arm = (last and closes and not self.args.tree_cuda_graphs
-               and getattr(self.args, "tree_overlap_reduction", True))
-        averager = self._averager(model, params) if arm else None
-        return before_last_backward(averager.arm if averager is not None else None)
+        return closes and not self.args.tree_cuda_graphs and getattr(self.args, "tree_overlap_reduction", True)
+
+    def _flush_average(self, model, params=None, closes_step: bool | None = None) -> None:
+        """Right after the step's last backward for ``model``, on every rank (one that owned no tree
+        too): launch the buckets the backward did not (``GradientAverager.flush``), so that every rank
+        issues them at the same point of its sequence of collectives."""
+        averager = self._averager(model, params) if self._overlaps(closes_step) else None
+        if averager is not None:
+            averager.flush()
 
     def _sync_gradients(self, model) -> None:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward

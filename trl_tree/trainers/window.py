@@ -298,6 +298,8 @@ class TreeWindow:
             if owned.sequences:
                 for k, (calls, forests, rope_length) in enumerate(groups):
                     p.backward(owned, calls, forests, rope_length, padded, k == len(groups) - 1)
+            else:  # no tree here: the backward's collectives (the average's buckets) still go out now
+                p.backward(owned, [], [], 0, padded, True)
         self.passes.clear()
 
     # ------------------------------------------------------------------ exchange
