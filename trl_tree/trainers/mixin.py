@@ -2,7 +2,8 @@
 ``TreeGRPOTrainer``, ``TreeRLOOTrainer`` and ``TreePPOTrainer`` change in TRL's trainers — and nothing else.
 
 Accumulation windows (whole trees of all micro-steps and ranks placed on ranks, ``window.py``), the
-group-preserving shuffle, and three overrides:
+group-preserving shuffle, the policy's backward in one pass where its loss is written out
+(``separable_loss.py``), and four overrides:
 
 * ``_get_per_token_logps_and_entropies`` (TRL's hook for the policy loss forward, the old-policy
   log-probs and the reference log-probs, including the PEFT reference with the adapter disabled)
@@ -11,7 +12,9 @@ group-preserving shuffle, and three overrides:
   (and, with ``tree_token_budget``, balanced by unique tokens) instead of TRL's row shuffle;
 * ``training_step`` also times the step without generation, logged as ``tree/fwd_bwd_time``, and
   averages the gradients by hand where the tree's backward did not run through DDP (see
-  ``_graphs_by_hand``).
+  ``_graphs_by_hand``);
+* ``_compute_loss`` keeps TRL's inputs at hand for the policy's tree call, whose one-pass backward
+  needs the loss's per-token constants (advantages, old and reference log-probs, the normaliser).
 
 ``tree_mode="off"`` delegates every one of them to TRL (the timing metric aside).
 """
