@@ -77,11 +77,12 @@ class GradientAverager:
     bucket's copy at a time, the old tensors freed; a parameter without a gradient yet gets a zeroed
     view), so the last backward accumulates into the buffers in place. Each parameter's
     post-accumulate hook marks it ready; a bucket whose parameters are all ready is all-reduced
-    asynchronously, in bucket order, while the backward goes on, and its parameters let go of the buffer (``.grad``
-    None). ``finish()`` (the step's synchronisation point) launches the buckets not launched yet,
-    waits for all, and divides by the number of processes — the sums ``average_gradients`` takes, so
-    the update is the same. Where an armed call was not the last to touch a gradient, what it
-    accumulated after its bucket left is a tensor of its own: ``finish`` reduces those too (for a
+    asynchronously, in bucket order, while the backward goes on, and its parameters let go of the
+    buffer (``.grad`` None). ``flush()`` launches the buckets not launched yet; ``finish()`` (the
+    step's synchronisation point) flushes, waits for all, and divides by the number of processes —
+    the sums ``average_gradients`` takes, so the update is the same. Where an armed call was not
+    the last to touch a gradient, what it accumulated after its bucket left is a tensor of its own:
+    ``finish`` reduces those too (for a
     bucket where any rank has one; the ranks agree on which through one small all-reduce of flags)
     and adds them, so the result never depends on where the arming landed, only the overlap does.
 
@@ -167,7 +168,7 @@ class GradientAverager:
     def _launch_in_order(self) -> None:
         """Launch the full buckets that are next in index order. Every rank then issues its
         all-reduces in the same order whatever order its gradients became final in (a tied weight's
-        bucket is final early; a rank that owns no tree launches all of them in ``finish``), as
+        bucket is final early; a rank that owns no tree launches all of them in ``flush``), as
         collectives on one process group must be; DDP's reducer keeps the same rule."""
         while self._next in self._full:
             self._full.discard(self._next)
@@ -200,9 +201,7 @@ class GradientAverager:
             return
         self.arm()  # an unarmed step: every bucket now, as average_gradients would
         overlapped = len(self._launched)
-        for b in range(self._next, len(self.buckets)):  # the rest, in order
-            self._launch(b)
-        self._next, self._full = len(self.buckets), set()
+        self.flush()  # the rest, in order
         # which parameters any rank has a gradient for, and which buckets any rank accumulated into late
         flags = torch.zeros(len(self.params) + len(self.buckets), dtype=torch.int32, device=self._flat[0].device)
         flags[sorted(self._present)] = 1
