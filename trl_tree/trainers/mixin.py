@@ -37,7 +37,7 @@ from .bridge import bridge
 from .exchange import RankExchange, exchange_group
 from .grouping import group_cost, plan_windows, prompt_groups, stock_order, take_rows
 from .rows import PaddedRows
-from .separable_loss import GRPOTokenLoss, OnePassLoss, why_not_separable
+from .separable_loss import GRPOTokenLoss, OnePassLoss
 from .tree_calls import TreeCallsMixin
 from .window import TreeWindow
 
@@ -314,24 +314,18 @@ class TreeTrainerMixin(TreeCallsMixin):
         finally:
             self._tree_loss_inputs = None
 
-    def _why_two_pass(self) -> str | None:
-        """Why the policy's loss needs the two-pass bridge (None: it is a sum of per-token terms
-        ``separable_loss`` writes out)."""
-        return why_not_separable(self)
-
-    def _one_pass_loss_of(self) -> OnePassLoss:
-        """The trainer's policy loss written out (``separable_loss``): GRPO's per-token terms here."""
-        return GRPOTokenLoss.of(self)
+    #: the trainer's policy loss written out (``separable_loss``): GRPO's per-token terms here
+    _one_pass_loss_class: type = GRPOTokenLoss
 
     def _one_pass_loss(self) -> OnePassLoss | None:
-        """The per-token policy loss where ``tree_one_pass`` is on and the loss is separable; None
+        """The policy loss written out where ``tree_one_pass`` is on and the settings allow it; None
         where the two-pass bridge runs (the reason is said once, in the log)."""
         if self.args.tree_mode == "off" or not getattr(self.args, "tree_one_pass", True):
             return None
         cached = self.__dict__.get("_tree_one_pass_loss")
         if cached is None:
-            why = self._why_two_pass()
-            cached = (None if why else self._one_pass_loss_of(), why)
+            why = self._one_pass_loss_class.why_not(self)
+            cached = (None if why else self._one_pass_loss_class.of(self), why)
             self._tree_one_pass_loss = cached
             if why and (self.args.tree_mode == "dfs" or self._windows_on()):
                 logger.info("%s: the policy's tree backward runs in two passes (a forward first): %s",

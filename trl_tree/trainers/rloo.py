@@ -15,18 +15,11 @@ class TreeRLOOTrainer(TreeTrainerMixin, RLOOTrainer):
     windows) takes it in one pass where a sequence's terms stay together (``separable_loss``)."""
 
     _tag_names = ["trl", "rloo", "trl_tree"]
+    #: RLOO's loss, a sum of per-sequence terms: one pass where the engine keeps a sequence's terms
+    #: together (packed calls; the walk where its plan does)
+    _one_pass_loss_class = RLOOSequenceLoss
 
     def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
         args = as_tree_config(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._setup_tree()
-
-    def _why_two_pass(self) -> str | None:
-        if getattr(self, "aux_loss_enabled", False):
-            return "the MoE load-balancing loss is a function of the whole micro-batch's routing"
-        return None
-
-    def _one_pass_loss_of(self) -> RLOOSequenceLoss:
-        """RLOO's loss, a sum of per-sequence terms: one pass where the engine keeps a sequence's terms
-        together (packed calls; the walk where its plan does)."""
-        return RLOOSequenceLoss.of(self)

@@ -36,6 +36,10 @@ SEPARABLE_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sa
 CONSTANTS = ("weight", "advantage", "old", "ref", "is_ratio")
 
 
+#: why neither loss is written out with TRL's MoE load-balancing term
+AUX_LOSS = "the MoE load-balancing loss is a function of the whole micro-batch's routing"
+
+
 def why_not_separable(trainer) -> str | None:
     """Why ``trainer``'s policy loss is not a sum of per-token terms this module writes out (None: it is)."""
     loss_type = getattr(trainer, "loss_type", None)
@@ -50,7 +54,7 @@ def why_not_separable(trainer) -> str | None:
     if getattr(trainer, "_entropy_bonus_enabled", False):
         return "the entropy bonus (not written out here)"
     if getattr(trainer, "aux_loss_enabled", False):
-        return "the MoE load-balancing loss is a function of the whole micro-batch's routing"
+        return AUX_LOSS
     return None
 
 
@@ -69,6 +73,10 @@ class GRPOTokenLoss:
     sapo_temperature_pos: float
     sapo_temperature_neg: float
     is_correction: bool  # vLLM's importance-sampling correction multiplies the policy term
+
+    @staticmethod
+    def why_not(trainer) -> str | None:
+        return why_not_separable(trainer)
 
     @classmethod
     def of(cls, trainer) -> GRPOTokenLoss:
@@ -155,6 +163,11 @@ class RLOOSequenceLoss:
 
     coupled = True  # a sequence's terms together: the engine hands all of them to one call
 
+    @staticmethod
+    def why_not(trainer) -> str | None:
+        """Why RLOO's loss is not written out here (None: it is)."""
+        return AUX_LOSS if getattr(trainer, "aux_loss_enabled", False) else None
+
     @classmethod
     def of(cls, trainer) -> RLOOSequenceLoss:
         return cls(epsilon_low=float(trainer.epsilon_low), epsilon_high=float(trainer.epsilon_high))
@@ -181,5 +194,6 @@ class RLOOSequenceLoss:
         return weight * per_sequence / count[inverse]
 
 
-#: what a one-pass policy call takes: ``constants(trainer, inputs)`` and ``terms(logp, constants, seq_idx)``
+#: what a one-pass policy call takes: ``why_not(trainer)``, ``of(trainer)``, ``constants(trainer, inputs)`` and
+#: ``terms(logp, constants, seq_idx)``
 OnePassLoss = GRPOTokenLoss | RLOOSequenceLoss
