@@ -40,9 +40,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost_model import StepCost, step_flops
+from ..cost_model import layer_weights, step_flops
+from ..model_parts import head_dim_of, kv_heads_of
 from ..tiny import shaped_config
 from ..trainers.balance import balance
+from ..trainers.window import group_step_cost
 from .common import dump
 
 #: GRPO W1 on 4 x H100, 1.5B (docs/benchmarks/multi_gpu_4x_h100.json): ms per optimizer step at 64
@@ -73,20 +75,19 @@ class Network:
 
 
 def parameter_bytes(config, bytes_per_value: int = 2) -> int:
-    """The gradient's size: every weight of a Qwen2-shaped model (tied embeddings), in bf16."""
+    """The gradient's size: every weight of a Qwen2-shaped model (tied embeddings), in bf16: each
+    layer's matrices (``cost_model.layer_weights``), its q/k/v biases and two norms, the embedding
+    and the final norm."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    head_dim = h // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * config.intermediate_size + (h + 2 * kv) + 2 * h
+    kv = kv_heads_of(config) * head_dim_of(config)
+    per_layer = layer_weights(config) + (h + 2 * kv) + 2 * h
     return bytes_per_value * (vocab * h + layers * per_layer + h)
 
 
 def tree_flops(config, prompt: int, completions: list[int]) -> float:
-    """One tree's (or piece's) forward and backward: the prompt once, each completion on top."""
-    p = prompt
-    pairs = p * (p + 1) // 2 + sum(c * (2 * p + c + 1) // 2 for c in completions)
-    cost = StepCost(tokens=p + sum(completions), predictions=sum(completions), attention_pairs=pairs)
-    return step_flops(cost, config, gradient_checkpointing=True)
+    """One tree's (or piece's) forward and backward: the prompt once, each completion on top (the
+    window's own cost, ``window.group_step_cost``)."""
+    return step_flops(group_step_cost(prompt, completions), config, gradient_checkpointing=True)
 
 
 def all_reduce_ms(grad_bytes: int, gpus: int, net: Network) -> float:
@@ -139,8 +140,8 @@ class ScalingModel:
         bins, _, worst = balance(units, gpus)
         busiest_flops = max(sum(units[u] for u in b) for b in bins)
         compute = self.fixed_ms + busiest_flops * self.ms_per_flop
-        ar = all_reduce_ms(self.grad_bytes, gpus, net) if gpus > 1 else 0.0
-        bucket_tail = all_reduce_ms(int(net.bucket_mib * 2**20), gpus, net) if gpus > 1 else 0.0
+        ar = all_reduce_ms(self.grad_bytes, gpus, net)  # 0 on one GPU, as the bucket's tail
+        bucket_tail = all_reduce_ms(int(net.bucket_mib * 2**20), gpus, net)
         nodes = math.ceil(gpus / net.gpus_per_node)
         exchange = WINDOW_COLLECTIVES * (net.node_latency_ms if nodes > 1 else net.latency_ms) if gpus > 1 else 0.0
         backward = BACKWARD_SHARE * (compute - self.fixed_ms)
@@ -148,7 +149,7 @@ class ScalingModel:
         tree_after = compute + exchange + ar
         stock_compute = self.stock_ms_per_row * rows / gpus
         micro_steps = max(rows // (2 * gpus), 1)  # per_device_train_batch_size 2, as measured
-        stock = stock_compute + (max(ar - BACKWARD_SHARE * stock_compute / micro_steps, bucket_tail) if gpus > 1 else 0)
+        stock = stock_compute + max(ar - BACKWARD_SHARE * stock_compute / micro_steps, bucket_tail)
         one_tree = self.fixed_ms + sum(self._pieces(rows, 1)) * self.ms_per_flop
         one_stock = self.stock_ms_per_row * rows
         return {
