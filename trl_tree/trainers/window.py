@@ -211,11 +211,7 @@ class TreeWindow:
         if name in self.passes:
             raise RuntimeError(f"the window's {name!r} pass already ran its forward")
         owned, groups = self.layout(device)
-        results: list[torch.Tensor | None] | None = None
-        for calls, forests, rope_length in groups:
-            out = list(score(owned, calls, forests, rope_length))
-            results = out if results is None else [b if a is None else a if b is None else a + b
-                                                   for a, b in zip(results, out)]
+        results = _summed(score(owned, calls, forests, rope_length) for calls, forests, rope_length in groups)
         self._bring_home(name, results, backward, device)
 
     def one_pass(self, name: str, constants: list[torch.Tensor], run: OnePass, device: torch.device) -> None:
@@ -233,11 +229,8 @@ class TreeWindow:
         padded = torch.zeros(*owned.shape, width, device=device)
         if owned.sequences:
             padded.index_put_(owned.positions([list(range(len(owned.sequences)))]), torch.cat(mine))
-        results: list[torch.Tensor | None] | None = None
-        for k, (calls, forests, rope_length) in enumerate(groups):
-            out = list(run(owned, calls, forests, rope_length, padded, k == len(groups) - 1))
-            results = out if results is None else [b if a is None else a if b is None else a + b
-                                                   for a, b in zip(results, out)]
+        results = _summed(run(owned, calls, forests, rope_length, padded, k == len(groups) - 1)
+                          for k, (calls, forests, rope_length) in enumerate(groups))
         if results is None:  # nothing to compute here: the kinds of results, empty
             results = list(run(owned, [], [], 0, padded, True))
         # every rank ran ``run`` (if only on nothing), so every rank knows the kinds: no agreement needed
@@ -351,3 +344,14 @@ class TreeWindow:
             out.append(torch.cat(chunk) if chunk else torch.zeros(0, *trailing, dtype=dtype, device=device))
             start += n
         return out
+
+
+def _summed(per_group) -> list[torch.Tensor | None] | None:
+    """The padded per-token results of a pass's groups of calls (one per padded width), kind by
+    kind, added: each group fills only its own rows' cells. None where there was no group."""
+    results = None
+    for out in per_group:
+        out = list(out)
+        results = out if results is None else [b if a is None else a if b is None else a + b
+                                               for a, b in zip(results, out)]
+    return results
