@@ -18,7 +18,8 @@ prompt 2,048, completions uniform in 256–512) at 1.5B by default:
 * **Placement.** Whole trees on ranks by cost (``trainers.balance``); where there are fewer trees
   than ranks each tree is cut into equal pieces, each paying its prompt again (as the window does).
 * **Gradient all-reduce.** Two-level ring: inside a node over NVLink (``--nvlink-gbs``, the
-  bucketed all-reduce's effective rate, measured ~45 GB/s in 25 MiB buckets), across nodes at
+  bucketed all-reduce's effective rate; its default is the rate docs/benchmarks/notes.md §30
+  measured in 25 MiB buckets), across nodes at
   ``--node-gbps`` per node (all of a node's NICs), ``2(n-1)/n · G`` bytes per level for a gradient
   of ``G`` bytes.
 * **Overlap.** Overlapped, only what outlasts the last backward shows (the tree: its window's whole
