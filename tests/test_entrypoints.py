@@ -160,11 +160,12 @@ def test_trainer_bench_update_check(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no reference"):
         main([*shape, "--modes", "packed"])
     assert main([*shape, "--modes", "off+fp32,off,packed+fp32,packed+window", "--out", str(tmp_path / "a.json")]) == 0
-    assert main([*shape, "--modes", "dfs+window", "--out", str(tmp_path / "b.json")]) == 0
+    assert main([*shape, "--modes", "dfs+window,dfs+fp32+window+mem=0.001", "--out", str(tmp_path / "b.json")]) == 0
     results = json.loads((tmp_path / "a.json").read_text())["results"]
     results |= json.loads((tmp_path / "b.json").read_text())["results"]
     assert results["off+fp32"]["reference"] and results["off"]["err_over_stock_bf16"] == 1.0
     assert results["packed+fp32"]["update_rel_err"] < 1e-5
+    assert results["dfs+fp32+window+mem=0.001"]["update_rel_err"] < 1e-5  # +mem: a walk of the smallest units
     assert 1e-4 < results["off"]["update_rel_err"] < 0.1
     for mode in ("packed+window", "dfs+window"):
         assert results[mode]["within_bf16_rule"] and results[mode]["update_rel_err"] > 1e-4, results[mode]

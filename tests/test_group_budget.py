@@ -55,6 +55,26 @@ def test_group_budget_fits_the_reference_and_shrinks_with_depth():
     assert small(2048) == 2048  # 1000 fits, but never below the longest node (the 2048-token prompt)
 
 
+def test_walk_unit_floor_only_ever_enlarges_units():
+    """``unit_floor`` (a share of the GPU, ``walk_unit_floor``) raises the reference where the longest
+    sequence needs less and leaves it where it needs more; the CPU has none."""
+    import torch
+
+    from trl_tree.cost_model import walk_unit_floor
+
+    assert walk_unit_floor(torch.device("cpu")) is None
+    config = shaped_config("1.5b")
+    forest = PrefixForest.from_sequences(suite_workloads(config.vocab_size)[0].sequences)  # W1: 16 x 2560
+    bound = GroupBudget.for_forest(forest, config, True, False)
+    assert GroupBudget.for_forest(forest, config, True, False, unit_floor=None).reference == bound.reference
+    assert GroupBudget.for_forest(forest, config, True, False, unit_floor=1).reference == bound.reference
+    floored = GroupBudget.for_forest(forest, config, True, False, unit_floor=4 * 2**30)  # 5% of an 80 GiB card
+    assert floored.reference == 4 * 2**30 > bound.reference
+    assert floored(2048) >= 16 * 512 > bound(2048)  # W1's completions in one unit below the prompt, not several
+    # a caller's budget still rules
+    assert GroupBudget.for_forest(forest, config, True, False, memory_budget=5, unit_floor=4 * 2**30).reference == 5
+
+
 def test_activation_model_matches_the_h200_measurements():
     """Estimates against activation peaks measured on the H200 (docs/benchmarks): TRL's step on
     W1's longest sequence (2,560 tokens, 512 scored: 0.913 / 1.571 / 3.626 GiB) within 5%, and a

@@ -25,8 +25,9 @@ little padding), a packed call runs as the padded batch stock runs. ``choose_mod
 else dfs with the largest chunk that fits; measured, packed was faster than dfs wherever it fit
 (docs/benchmarks), so time does not enter. ``GroupBudget``: how many tokens
 of small sibling subtrees the walk may run in one call at a given stack depth, so that a unit
-stays within the memory of one forward+backward of the longest single sequence (or within a
-given budget). Fewer, larger calls are what makes the launch-bound walk fast on small models.
+stays within the memory of one forward+backward of the longest single sequence, or a small
+fixed share of the GPU where that is larger (``WALK_UNIT_FLOOR_SHARE``), or a given budget. Fewer,
+larger calls are what makes the launch-bound walk fast on small models.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ CHUNK_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256)
 #: TRL's chunked log-prob kernel: rows per projection tile (``TOKEN_CHUNK_SIZE``) and our vocabulary tile
 HEAD_ROW_TILE = 4096
 HEAD_VOCAB_TILE = 32768
+
+
+#: The walk's units may take at least this share of the GPU's memory (``walk_unit_floor``), even where
+#: one forward+backward of the longest sequence is less: sized by that bound alone, short sequences
+#: on a large card make many small units whose launches, not their FLOPs, set the step's time
+#: (docs/benchmarks/notes.md §32). The bound stays independent of the tree's size, which is what
+#: the walk is for; where the longest sequence needs more, its bound rules as before.
+WALK_UNIT_FLOOR_SHARE = 0.05
+
+
+def walk_unit_floor(device: torch.device) -> int | None:
+    """Bytes a walk's unit may use whatever the longest sequence (``WALK_UNIT_FLOOR_SHARE`` of a
+    CUDA device's memory); None elsewhere (the CPU walks the bound of the longest sequence)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory * WALK_UNIT_FLOOR_SHARE)
 
 
 def runs_padded(forest: PrefixForest, router: bool = False) -> bool:
@@ -165,8 +182,8 @@ class GroupBudget:
     """Tokens of complete sibling subtrees one dfs call may take at a given stack depth.
 
     The largest ``n`` whose unit estimate (``ActivationModel.unit``) fits ``reference`` bytes —
-    by default one forward+backward of the longest sequence (DESIGN's memory bound for the walk),
-    or a caller's memory budget. Never below ``floor`` (the longest node, which the walk runs in one
+    by default one forward+backward of the longest sequence (DESIGN's memory bound for the walk)
+    or ``unit_floor`` bytes where that is more, or a caller's memory budget. Never below ``floor`` (the longest node, which the walk runs in one
     call anyway unless a ``chunk_size`` cuts it): the grouping only ever merges calls.
     """
 
@@ -180,14 +197,16 @@ class GroupBudget:
     @classmethod
     def for_forest(cls, forest: PrefixForest, config, gradient_checkpointing: bool, keep_graph: bool,
                    dtype_bytes: int = 2, memory_budget: int | None = None, scoring: ScoringPlan | None = None,
-                   forward_only: bool = False) -> "GroupBudget":
+                   forward_only: bool = False, unit_floor: int | None = None) -> "GroupBudget":
         """``scoring``: the walk's scoring plan, for the longest sequence's number of scored tokens;
         ``forward_only``: a ``tree_logprobs`` walk (no graph), whose groups can be much larger under
-        the same bound."""
+        the same bound; ``unit_floor``: bytes a unit may use without a ``memory_budget`` even where
+        the longest sequence needs less (``walk_unit_floor``)."""
         model = ActivationModel.of(config, gradient_checkpointing, dtype_bytes)
         longest = int(forest.seq_lengths.argmax())
         scored = int((scoring.seq_idx == longest).sum()) if scoring is not None else None
-        reference = memory_budget if memory_budget is not None else model.single_sequence(forest.max_depth, scored)
+        reference = memory_budget if memory_budget is not None else max(
+            model.single_sequence(forest.max_depth, scored), unit_floor or 0)
         kept = ActivationModel.of(config, True, dtype_bytes, keep_attention=True) if gradient_checkpointing else None
         return cls(model, reference, keep_graph, int(forest.node_length.max()), forward_only, kept)
 

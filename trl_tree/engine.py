@@ -24,7 +24,7 @@ from .attention import backends
 from .attention.buckets import BucketedLayout
 from .attention.support import attention_features
 from .backward_hooks import last_backward_starts
-from .cost_model import GroupBudget, choose_mode, default_memory_budget
+from .cost_model import GroupBudget, choose_mode, default_memory_budget, walk_unit_floor
 from .dfs.buckets import PADDED_BUDGET_SCALE
 from .dfs.graphs import walk_graphs
 from .dfs.plan import keeps_groups
@@ -238,7 +238,8 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, opts: Tree
 def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: TreeOptions, temperature: float,
               keep_graph: bool, forward_only: bool = False):
     """The walk; without ``opts.chunk_size`` its groups are sized by the memory model (``GroupBudget``):
-    one forward+backward of the longest sequence, or ``opts.memory_budget`` when given.
+    one forward+backward of the longest sequence or a small share of the GPU where that is larger
+    (``cost_model.walk_unit_floor``), or ``opts.memory_budget`` when given.
     ``opts.cuda_graphs``: its units replay CUDA graphs where captured (``dfs/graphs.py``). A training
     walk that recomputes its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``),
     and its units keep their attention outputs for the checkpointed recompute where the memory model
@@ -253,7 +254,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: 
         group_tokens = GroupBudget.for_forest(
             forest, parts.causal_lm.config.get_text_config(), checkpointing_on(parts), keep_graph,
             dtype_bytes=parts.compute_dtype.itemsize, memory_budget=opts.memory_budget, scoring=plan,
-            forward_only=forward_only)
+            forward_only=forward_only, unit_floor=walk_unit_floor(parts.device))
     budget = group_tokens
     keeps = None
     if budget is not None and not forward_only and recomputes_kept_attention(parts, backend, opts.keep_attention):

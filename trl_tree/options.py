@@ -30,7 +30,8 @@ class TreeOptions:
     memory_budget: int | None = field(default=None, metadata={
         "help": "Bytes a call may take: mode='auto' picks packed when its activations fit, and the walk sizes "
                 "its groups to it. None: 80% of the free GPU memory (unlimited on CPU); the walk's groups then "
-                "stay within one forward+backward of the longest sequence."})
+                "stay within one forward+backward of the longest sequence, or 5% of the GPU's memory where that "
+                "is larger (cost_model.walk_unit_floor)."})
     keep_graph: bool | None = field(default=None, metadata={
         "help": "mode='dfs' backward: keep each pushed node's graph until its backward instead of recomputing "
                 "it. None: keep it where the model uses gradient checkpointing (the kept graph is then only "

@@ -37,7 +37,15 @@ import tempfile
 
 import torch
 
-from .common import _timed_steps, bench_tokenizer, dump, environment, offline_bench_parser, release_memory
+from .common import (
+    _timed_steps,
+    bench_tokenizer,
+    dump,
+    environment,
+    offline_bench_parser,
+    process_device,
+    release_memory,
+)
 from .trie_packer import install_varlen_stand_in
 
 MODES = ("tree", "stock", "tree_dfs")
@@ -107,7 +115,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
     cuda = torch.cuda.is_available()
     leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier modes left (past release_memory)
     torch.manual_seed(0)
-    with torch.device("cuda" if cuda else "cpu"):
+    with process_device():
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16 if cuda else torch.float32,
                                                  attn_implementation="sdpa")  # fp32 on the CPU (its test)
     args = TreeAsyncGRPOConfig(

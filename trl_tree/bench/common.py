@@ -28,6 +28,19 @@ def drop_graphs(model: torch.nn.Module) -> None:
     gc.collect()
 
 
+def process_device() -> torch.device:
+    """This process's device: its own GPU under ``accelerate launch`` (``LOCAL_RANK``), made current
+    so that a model built under ``with process_device():`` lands there and not on GPU 0; the CPU
+    where there is no GPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    import os
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def release_memory() -> None:
     """Between a bench's modes: free what the last one left. A trainer holds reference cycles, so
     its model and optimizer state outlive ``del`` until a collection; left in place, they shift the

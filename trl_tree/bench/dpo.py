@@ -21,7 +21,15 @@ import tempfile
 
 import torch
 
-from .common import bench_tokenizer, dump, environment, offline_bench_parser, release_memory, train_and_time
+from .common import (
+    bench_tokenizer,
+    dump,
+    environment,
+    offline_bench_parser,
+    process_device,
+    release_memory,
+    train_and_time,
+)
 
 MODES = ("tree", "stock", "tree_dfs")
 #: shapes that are a dataset of several micro-batches (pairs per micro-batch), and their modes: the
@@ -57,7 +65,7 @@ def run_mode(mode: str, rows: list[dict], config, steps: int, micro_batch: int |
 
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    with torch.device("cuda" if cuda else "cpu"):
+    with process_device():
         model, ref = (AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                        attn_implementation="sdpa") for _ in range(2))
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,

@@ -24,7 +24,15 @@ import tempfile
 
 import torch
 
-from .common import bench_tokenizer, dump, environment, offline_bench_parser, release_memory, train_and_time
+from .common import (
+    bench_tokenizer,
+    dump,
+    environment,
+    offline_bench_parser,
+    process_device,
+    release_memory,
+    train_and_time,
+)
 
 #: in this order: the tree first, so its step is timed before stock's large padded batches have
 #: grown the caching allocator (measured once: one shape's tree step 1.5x slower when run after them)
@@ -52,7 +60,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     attention = _attention_for_packing() if packed else "sdpa"
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()  # the CPU runs it too (its test, on a tiny config)
-    with torch.device("cuda" if cuda else "cpu"):
+    with process_device():
         try:
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                      attn_implementation=attention)

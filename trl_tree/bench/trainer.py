@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
                              "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +twopass "
-                             "tree_one_pass=False; +bucket=MB ddp_bucket_cap_mb=MB; +fp32 trains without mixed precision (the launcher's "
+                             "tree_one_pass=False; +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without mixed precision (the launcher's "
                              "mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         window = "micro_step" if "+micro" in flags else "accumulation" if "+window" in flags else "auto"
         budget = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("budget=")), None)
         bucket_mb = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("bucket=")), None)
+        memory_gib = next((float(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("mem=")), None)
         fp32 = "+fp32" in flags
         mixed_precision = "no" if fp32 else "bf16"
         settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 tree_cuda_graphs="+graphs" in flags, tree_cuda_graph_buckets="+buckets" in flags,
                 tree_overlap_reduction="+nooverlap" not in flags, tree_one_pass="+twopass" not in flags,
                 ddp_bucket_cap_mb=bucket_mb,
+                tree_memory_budget=int(memory_gib * 2**30) if memory_gib is not None else None,
                 max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
                 ddp_backend=args.ddp_backend,
                 per_device_train_batch_size=args.per_device or args.group,

@@ -107,6 +107,9 @@ def suite_workloads(vocab: int, names: tuple[str, ...] | set[str] = DEFAULT_WORK
                                ragged_no_sharing(vocab, 1700), 512),
         "W10": lambda: Workload("W10", "no sharing, ragged: 16 sequences of 1280-2048 tokens (prompt 512)",
                                 ragged_no_sharing(vocab, 1280), 512),
+        # a small rollout batch with nothing shared: where the tree's fixed costs would show most
+        "W11": lambda: Workload("W11", "no sharing: 8 rollouts of 1024 + 512 tokens",
+                                no_sharing(vocab, count=8, length=1536), 1024),
         "W6": lambda: Workload("W6", "long agentic tree: 8k system prompt, 5 turns branching at tool calls, 32 leaves "
                                "of 13.8k tokens", agentic_tree(vocab, system=8000, turns=LONG_AGENTIC_TURNS, seed=6),
                                8000, per_sequence_baseline=True, baseline_sample=4),

@@ -83,7 +83,8 @@ class TreeArguments:
         default=None,
         metadata={"help": "dfs mode without tree_chunk_size: activation bytes one call of the walk may use when "
                   "sibling subtrees are grouped. None: one forward+backward of the longest sequence (the DFS "
-                  "memory bound). Larger: fewer, faster calls (the walk is launch-bound on small models)."},
+                  "memory bound), or 5% of the GPU's memory where that is larger (cost_model.walk_unit_floor). "
+                  "Larger: fewer, faster calls (the walk is launch-bound on small models)."},
     )
     tree_keep_graph: bool | None = field(
         default=None,
