@@ -33,9 +33,10 @@ def checkpoint(tmp_path_factory):
     return save_sft_checkpoint(tmp_path_factory.mktemp("dpo") / "tiny")
 
 
-def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_config=None, eval_data=None, **config):
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
-    ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64) if reference else None
+def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_config=None, eval_data=None,
+        dtype=torch.float64, **config):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype) if reference else None
     args = config_cls(output_dir=str(checkpoint) + "-dpo", **{**BASE, **config})
     trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=copy.deepcopy(data or pairs()),
                           eval_dataset=eval_data, processing_class=sft_tokenizer(), peft_config=peft_config)
@@ -44,13 +45,13 @@ def run(trainer_cls, config_cls, checkpoint, data=None, *, reference=True, peft_
     return params, trainer.state.log_history
 
 
-def compare(checkpoint, tree=None, data=None, **config):
-    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, data, **config)
-    treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, data, **config, **(tree or {}))
-    start = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).named_parameters())
-    assert_same_update(stock, treed, start)  # the updates, not the parameters they move
+def compare(checkpoint, tree=None, data=None, dtype=torch.float64, whole=False, **config):
+    stock, stock_log = run(DPOTrainer, DPOConfig, checkpoint, data, dtype=dtype, **config)
+    treed, tree_log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, data, dtype=dtype, **config, **(tree or {}))
+    start = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).named_parameters())
+    assert_same_update(stock, treed, start, whole=whole)  # the updates, not the parameters they move
     for step in range(config.get("max_steps", 2)):
-        for key in LOGGED:
+        for key in LOGGED + (("aux_loss",) if "aux_loss" in stock_log[step] else ()):
             if key in stock_log[step]:
                 assert tree_log[step][key] == pytest.approx(stock_log[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert tree_log[0]["tree/dedup_ratio"] > 1.5  # chosen and rejected share their prompt
@@ -180,6 +181,32 @@ def test_cuda_graphs_replay_the_policy_call(checkpoint, monkeypatch):
                         lambda self, *a, **k: captures.append(1) or capture(self, *a, **k))
     compare(checkpoint, tree={"tree_cuda_graphs": True}, data=pairs(4), max_steps=3)
     assert captures
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def moe_checkpoint(request, tmp_path_factory):
+    extra = {"attn_implementation": "eager"} if request.param == "gpt_oss" else {}  # its sinks: no sdpa
+    return save_sft_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", family=request.param,
+                               router_aux_loss_coef=0.5, **extra)
+
+
+MOE_CASES = {
+    "packed": {},
+    "dfs": {"tree_mode": "dfs", "tree_chunk_size": 9},  # two passes: the loss needs every unit's expert counts
+    "budget": {"tree_token_budget": 150},
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_load_balancing_loss_matches_stock(moe_checkpoint, case):
+    """An MoE policy with its router_aux_loss_coef: the load-balancing loss over every real token of
+    the concatenated chosen and rejected rows (a shared prompt counted once per row through it), in
+    one packed call, over the walk and under a token budget: stock's two updates and aux_loss metric."""
+    # fp32 (the experts' grouped matrix products take no float64): the update of all parameters together
+    log = compare(moe_checkpoint, tree=MOE_CASES[case], dtype=torch.float32, whole=True)
+    assert log[0]["aux_loss"] > 0
+    if case == "budget":
+        assert log[0]["tree/calls"] > 1
 
 
 @pytest.mark.parametrize("option", list(REFUSED))

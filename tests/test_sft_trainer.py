@@ -10,6 +10,7 @@ from trl import SFTConfig, SFTTrainer
 from trl_tree import TreeSFTConfig, TreeSFTTrainer
 
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+MOE_METRICS = METRICS + ("aux_loss",)
 
 
 @pytest.fixture(scope="module")
@@ -17,18 +18,19 @@ def checkpoint(tmp_path_factory):
     return save_sft_checkpoint(tmp_path_factory.mktemp("sft") / "tiny")
 
 
-def _start(checkpoint):
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+def _start(checkpoint, dtype=torch.float64):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _compare(checkpoint, data, tree_only=None, stock_log_index=0, **config):
-    stock, stock_log = run(SFTTrainer, SFTConfig, checkpoint, data, dtype=torch.float64, **config)
-    tree, tree_log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, data, dtype=torch.float64,
+def _compare(checkpoint, data, tree_only=None, stock_log_index=0, dtype=torch.float64, whole=False, **config):
+    stock, stock_log = run(SFTTrainer, SFTConfig, checkpoint, data, dtype=dtype, **config)
+    tree, tree_log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, data, dtype=dtype,
                          **config, **(tree_only or {}))
-    start = _start(checkpoint)
-    assert_same_update(stock, tree, {n: start[n] for n in stock if n in start} if set(stock) <= set(start) else None)
-    for key in METRICS:
+    start = _start(checkpoint, dtype)
+    assert_same_update(stock, tree, {n: start[n] for n in stock if n in start} if set(stock) <= set(start) else None,
+                       whole=whole)
+    for key in MOE_METRICS if "aux_loss" in stock_log[stock_log_index] else METRICS:
         assert tree_log[stock_log_index][key] == pytest.approx(stock_log[stock_log_index][key], rel=1e-5, abs=1e-7)
     return tree_log
 
@@ -125,17 +127,42 @@ def test_unsupported_options_are_refused_at_construction(checkpoint, option):
         TreeSFTTrainer(model=model, args=args, train_dataset=dataset("turns"), processing_class=sft_tokenizer())
 
 
-def test_compute_loss_func_and_moe_aux_loss_are_refused(checkpoint, tmp_path):
+def test_compute_loss_func_is_refused(checkpoint, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     args = TreeSFTConfig(output_dir=str(tmp_path), report_to="none")
     with pytest.raises(ValueError, match="compute_loss_func"):
         TreeSFTTrainer(model=model, args=args, train_dataset=dataset("turns"), processing_class=sft_tokenizer(),
                        compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum())
-    moe = save_sft_checkpoint(tmp_path / "moe", family="qwen3_moe")
-    with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        TreeSFTTrainer(model=AutoModelForCausalLM.from_pretrained(moe),
-                       args=TreeSFTConfig(output_dir=str(tmp_path), report_to="none", router_aux_loss_coef=0.01),
-                       train_dataset=dataset("turns"), processing_class=sft_tokenizer())
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def moe_checkpoint(request, tmp_path_factory):
+    extra = {"attn_implementation": "eager"} if request.param == "gpt_oss" else {}  # its sinks: no sdpa
+    return save_sft_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", family=request.param,
+                               router_aux_loss_coef=0.5, **extra)
+
+
+MOE_CASES = {
+    # tokens after a sample's last label and samples with no label left at all: stock's aux counts them
+    "max_length": ("turns", {"max_length": 150}, {}),
+    "assistant_only_dfs": ("messages", {"assistant_only_loss": True}, {"tree_mode": "dfs", "tree_chunk_size": 7}),
+    "budget": ("turns", {"gradient_accumulation_steps": 2}, {"tree_token_budget": 250}),
+    # no attention mask: stock's aux counts every token of the flat row
+    "padding_free": ("turns", {"padding_free": True, "max_length": None}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_load_balancing_loss_matches_stock(moe_checkpoint, case):
+    """An MoE model with its router_aux_loss_coef: the tree's load-balancing loss over every real token
+    of the batch (labelled or not), in one packed call, over the walk and under a token budget, gives
+    stock's update and its aux_loss metric."""
+    kind, config, tree_only = MOE_CASES[case]
+    if case == "padding_free" and "gpt_oss" in moe_checkpoint:
+        pytest.skip("GPT-OSS runs eager attention, which attends across a padding-free row's samples in stock")
+    # fp32 (the experts' grouped matrix products take no float64): the update of all parameters together
+    log = _compare(moe_checkpoint, dataset(kind), tree_only=tree_only, dtype=torch.float32, whole=True, **config)
+    assert log[0]["aux_loss"] > 0
 
 
 

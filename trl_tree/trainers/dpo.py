@@ -92,6 +92,8 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         ahead of them."""
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
         model_kwargs = {k: v for k, v in inputs.items() if k not in NON_MODEL_KEYS}
+        if self.aux_loss_enabled:  # as stock's _compute_loss: the MoE policy's load-balancing loss
+            model_kwargs["output_router_logits"] = True
         outputs = model(**model_kwargs, use_cache=False, labels=labels, fused_lm_head=True)
         inputs = with_reference(self, inputs)
         given = {name: getattr(outputs, name) for name in OUTPUT_NAMES if getattr(outputs, name, None) is not None}
@@ -113,9 +115,3 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
             self._tree_sync_pending = False
             self._sync_gradients(self.accelerator.unwrap_model(model))
 
-    def _check_trainer_support(self) -> None:
-        refusals = {
-            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
-                bool(getattr(self, "aux_loss_enabled", False)),
-        }
-        self._refuse(refusals)

@@ -22,8 +22,8 @@ from .fused_forward import TREE_KWARGS
 
 #: what stock's ``_compute_loss`` keeps out of the model's call
 NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
-#: the fused head's outputs stock's loss and metrics read
-OUTPUT_NAMES = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
+#: the fused head's outputs stock's loss and metrics read (``aux_loss``: an MoE policy's)
+OUTPUT_NAMES = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs", "aux_loss")
 
 
 def takes_the_batch(trainer, inputs: dict, return_outputs: bool) -> bool:

@@ -15,7 +15,8 @@ every loss here being a mean of per-pair terms (``"sft"``'s token mean included)
 first, as its log-probs enter every pair's loss. The gradient of that loss with respect to the
 unit's log-probs weights its tokens. After the walk, stock's loss runs once more on every log-prob
 for its value and its metrics, as stock logs them. ``aot`` and ``aot_unpaired`` sort the batch's
-margins (they couple all pairs) and keep the two passes.
+margins (they couple all pairs) and keep the two passes, as does an MoE policy's load-balancing
+loss (its gradient needs every unit's expert counts first, ``trl_tree.router``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def walks_in_one_pass(trainer, inputs: dict, return_outputs: bool) -> bool:
     """Whether this micro-batch's dfs step can run in one pass (``one_pass_loss``): a training step
     of a loss made of per-pair terms, on a batch the tree takes as it is, without a loss scaler."""
     return (trainer.args.tree_mode == "dfs" and takes_the_batch(trainer, inputs, return_outputs)
-            and not any(t in BATCH_COUPLED_LOSSES for t in trainer.loss_types) and trainer.accelerator.scaler is None)
+            and not any(t in BATCH_COUPLED_LOSSES for t in trainer.loss_types) and trainer.accelerator.scaler is None
+            and not getattr(trainer, "aux_loss_enabled", False))
 
 
 def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor | None:

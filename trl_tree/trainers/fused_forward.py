@@ -27,7 +27,8 @@ import torch
 from .sft_rows import SFTRows
 
 #: the keyword arguments a tree call reproduces; anything else runs TRL's own forward
-TREE_KWARGS = {"input_ids", "attention_mask", "use_cache", "return_dict"}
+#: (``output_router_logits``: an MoE model's load-balancing loss, computed over the tree)
+TREE_KWARGS = {"input_ids", "attention_mask", "use_cache", "return_dict", "output_router_logits"}
 
 
 def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[str, ...], policy: bool) -> None:
@@ -48,8 +49,11 @@ def install_tree_head(trainer, causal_lm: torch.nn.Module, head_outputs: tuple[s
         batch = rows_of(tree, input_ids, kwargs.get("attention_mask"), labels)
         if batch.empty:  # nothing labelled: TRL's forward gives the zeros, connected to the model
             return original(fused_lm_head=True, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+        # as TRL's fused forward: router logits where asked for, or where the model's config asks for them
+        aux = policy and kwargs.get("output_router_logits",
+                                    getattr(self.config.get_text_config(), "output_router_logits", False))
         return tree_fused_outputs(tree, self, batch, input_ids.shape, labels, num_items_in_batch, head_outputs,
-                                  policy)
+                                  policy, aux_loss=bool(aux))
 
     causal_lm.forward = types.MethodType(forward, causal_lm)
 
@@ -67,29 +71,34 @@ def rows_of(trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
             and (cached[0][2] is labels and cached[1][2] == versions[2] or torch.equal(cached[0][2], labels))):
         return cached[2]
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    # an MoE policy's load-balancing loss counts every real token, labelled or not (SFTRows.every_token)
     batch = SFTRows.from_batch({"input_ids": input_ids, "attention_mask": mask, "labels": labels},
-                               type(trainer).__name__)
+                               type(trainer).__name__, every_token=bool(getattr(trainer, "aux_loss_enabled", False)))
     trainer._tree_rows_cache = (tensors, versions, batch)
     return batch
 
 
 def tree_fused_outputs(trainer, model, batch: SFTRows, shape: torch.Size, labels: torch.Tensor,
-                       num_items_in_batch, head_outputs: tuple[str, ...], policy: bool):
+                       num_items_in_batch, head_outputs: tuple[str, ...], policy: bool, aux_loss: bool = False):
     """TRL's ``FusedCausalLMOutput`` for the batch, from the tree (packed: one autograd pass; dfs or a
-    token budget: the bridge to the engine's own backward)."""
+    token budget: the bridge to the engine's own backward); ``aux_loss``: with the MoE load-balancing
+    loss over the batch's real tokens (``aux_loss``, and in ``loss`` times the config's
+    ``router_aux_loss_coef``, as TRL's fused forward)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     differentiable = torch.is_grad_enabled() and policy
-    logps, entropies, extra, forests = trainer._offline_scores(model, batch.rows, shape[1], differentiable,
-                                                               head_outputs)
+    logps, entropies, extra, forests, aux = trainer._offline_scores(model, batch.rows, shape[1], differentiable,
+                                                                    head_outputs, aux_loss=aux_loss)
     if policy and torch.is_grad_enabled():
-        trainer._log_forests(forests)
+        trainer._log_forests(forests, aux_loss)
     layout = (shape[0], shape[1] - 1)
     log_probs = place_on_batch(batch, logps, layout)
     label_mask = labels[:, 1:] != -100
     loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    if aux is not None:
+        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=place_on_batch(batch, entropies, layout),
-                               label_mask=label_mask,
+                               label_mask=label_mask, aux_loss=aux,
                                **{name: place_on_batch(batch, extra[name], layout) for name in head_outputs})
 
 

@@ -64,8 +64,6 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
             "a vision dataset": getattr(self, "_is_vision_dataset", False),
             "compute_loss_func (it receives the model's logits, which the tree never builds)":
                 self.compute_loss_func is not None,
-            "the MoE auxiliary loss (router_aux_loss_coef; set it to 0.0 to train without it)":
-                bool(getattr(self, "aux_loss_enabled", False)),
         }
         parallel = self.accelerator.parallelism_config
         if parallel is not None:
@@ -78,11 +76,12 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
         if self.args.tree_mode == "off" or return_outputs:  # compute_metrics wants logits: stock's forward
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        batch = SFTRows.from_batch(inputs, type(self).__name__)
+        aux_enabled = bool(getattr(self, "aux_loss_enabled", False))
+        batch = SFTRows.from_batch(inputs, type(self).__name__, every_token=aux_enabled)
         if batch.empty:  # no labelled token: stock's forward gives the zero loss with its graph
             return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        logps, entropies, top1 = self._tree_scores(model, batch.rows, inputs)
+        logps, entropies, top1, aux = self._tree_scores(model, batch.rows, inputs, aux_enabled)
         mask = batch.mask
         per_token_loss = -logps * mask
         if self.args.loss_type == "dft":
@@ -91,19 +90,27 @@ class TreeSFTTrainer(TreeCallsMixin, SFTTrainer):
         loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if aux is not None:  # stock's: a per-micro-batch mean, averaged over the accumulation by the loss
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * aux / steps
         self._log_sft_metrics(mode, inputs, mask, entropies, top1)
+        if aux is not None:
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
         return loss
 
-    def _tree_scores(self, model, rows, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logps, entropies, is_top1)`` of the labelled samples on their ``(samples, scored)`` grid
-        (``_offline_scores``; ``logps`` carries the gradient)."""
+    def _tree_scores(self, model, rows, inputs: dict, aux_loss: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(logps, entropies, is_top1, aux)`` of the samples on their ``(samples, scored)`` grid
+        (``_offline_scores``; ``logps`` and the MoE load-balancing loss ``aux`` carry the gradient;
+        ``aux`` is None without ``aux_loss``)."""
         # the widest position stock's forward shows a length-dependent RoPE
         positions = inputs.get("position_ids")
         width = int(positions.max()) + 1 if positions is not None else inputs["input_ids"].shape[1]
-        logps, entropies, extra, forests = self._offline_scores(
-            model, rows, max(width, max(len(s) for s in rows.sequences)), torch.is_grad_enabled(), ("is_top1",))
-        self._log_forests(forests)
-        return logps, entropies, extra["is_top1"]
+        logps, entropies, extra, forests, aux = self._offline_scores(
+            model, rows, max(width, max(len(s) for s in rows.sequences)), torch.is_grad_enabled(), ("is_top1",),
+            aux_loss=aux_loss)
+        self._log_forests(forests, aux_loss)
+        return logps, entropies, extra["is_top1"], aux
 
     def _log_sft_metrics(self, mode: str, inputs: dict, mask: torch.Tensor, entropies: torch.Tensor,
                          top1: torch.Tensor) -> None:

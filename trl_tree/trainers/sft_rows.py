@@ -8,6 +8,11 @@ each sample's real tokens: a padded row's unmasked run (right-padded), or, paddi
 its last labelled token (later tokens are never attended to by a scored one) and scored from its
 first labelled token on; the labelled positions in between carry weight 1, the others 0 — so a
 multi-turn ``assistant_only_loss`` sample keeps its user turns out of the loss, as stock does.
+
+An MoE model's load-balancing loss is the exception (``every_token``): stock's counts the router
+logits of every real token of the batch, labelled or not, so there a sample keeps its tokens after
+the last label (scored with weight 0) and a sample with no label at all stays in, scored at its
+last token with weight 0 — every token the batch holds is in the tree, once per sample through it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ class SFTRows:
         return not self.rows.sequences
 
     @classmethod
-    def from_batch(cls, inputs: dict, name: str = "TreeSFTTrainer") -> SFTRows:
+    def from_batch(cls, inputs: dict, name: str = "TreeSFTTrainer", every_token: bool = False) -> SFTRows:
+        """``every_token``: keep every real token in the rows (see the module docstring), for a loss
+        that counts tokens no label covers (the MoE load-balancing loss)."""
         input_ids, labels = inputs.get("input_ids"), inputs.get("labels")
         if input_ids is None or labels is None:
             raise ValueError(f"{name}: the batch needs 'input_ids' and 'labels' (TRL's SFT collators give both); got "
@@ -63,6 +70,17 @@ class SFTRows:
             seg_ids, seg_lab = ids[r, start:stop], lab[r, start:stop]
             scored = np.flatnonzero(seg_lab[1:] != -100) + 1  # label t is predicted from position t - 1
             if scored.size == 0:
+                if not every_token:
+                    continue
+                if stop - start < 2:
+                    raise ValueError(
+                        f"{name}: row {r} holds a one-token sample at position {start} with no label; the MoE "
+                        "load-balancing loss counts its router logits, which a tree row (a token and the "
+                        "prediction after it) cannot hold. Drop such samples or use tree_mode='off'")
+                sequences.append(input_ids.new_tensor(seg_ids))
+                score_from.append(stop - start - 1)
+                masks.append(np.zeros(1, dtype=bool))
+                where.append((r, stop - 2))
                 continue
             wrong = seg_lab[scored] != seg_ids[scored]
             if wrong.any():
@@ -71,7 +89,7 @@ class SFTRows:
                     f"{name}: row {r} has label {int(seg_lab[t])} at position {start + t} where its input token is "
                     f"{int(seg_ids[t])}. The tree scores each sample's own next token (what TRL's collators put in "
                     "'labels'); labels that differ from the inputs need tree_mode='off'")
-            first, last = int(scored[0]), int(scored[-1])
+            first, last = int(scored[0]), int(scored[-1]) if not every_token else stop - start - 1
             sequences.append(input_ids.new_tensor(seg_ids[: last + 1]))
             score_from.append(first)
             masks.append(seg_lab[first : last + 1] != -100)

@@ -283,26 +283,32 @@ class TreeCallsMixin:
         return logps, entropies, values
 
     def _offline_scores(self, model, rows: PaddedRows, rope_length: int, differentiable: bool,
-                        head_outputs: tuple[str, ...] = ()):
+                        head_outputs: tuple[str, ...] = (), aux_loss: bool = False):
         """An offline trainer's micro-batch (SFT's samples, DPO's pairs) through the tree:
-        ``(logps, entropies, head outputs, forests)`` on the rows' grid. ``logps`` carries the
+        ``(logps, entropies, head outputs, forests, aux)`` on the rows' grid. ``logps`` carries the
         gradient where ``differentiable``: one autograd graph (packed, one call) or the bridge to the
-        engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``)."""
+        engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``).
+        ``aux_loss``: also the MoE load-balancing loss over the rows' tokens (``trl_tree.router``:
+        each unique token's router logits weighted by the rows through it), differentiable the same
+        way; else ``aux`` is None."""
         calls, forests = self._offline_layout(rows)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
         call_kwargs = self._call_kwargs(rope_length)
+        router = self._router() if aux_loss else None
         with self.accelerator.autocast():
             logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
-                                                    None, call_kwargs, head_outputs=head_outputs)
+                                                    router, call_kwargs, head_outputs=head_outputs)
         extra = self._tree_head_outputs
+        aux = router.loss() if router is not None else None
         if two_pass:
             target = self.accelerator.unwrap_model(model)
 
             def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
-                self._tree_backward(target, rows, calls, forests, grad_logps, call_kwargs=call_kwargs)
+                self._tree_backward(target, rows, calls, forests, grad_logps, router=router, grad_aux=grad_aux,
+                                    call_kwargs=call_kwargs)
 
-            logps, _, _, _ = bridge(logps, None, second_pass)
-        return logps, entropies.detach(), extra, forests
+            logps, _, aux, _ = bridge(logps, None, second_pass, aux)
+        return logps, entropies.detach(), extra, forests, aux
 
     def _offline_layout(self, rows: PaddedRows) -> tuple[list[list[int]], list[PrefixForest]]:
         """``rows`` cut into tree calls and built into forests — kept for the next call on the same
