@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from .short_conv import CONV_MODULES, install_tree_convs
+
 #: layer types whose attention the tree computes exactly (sliding windows only while no sequence
 #: is longer than the window, checked per call by the attention function)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -58,6 +60,16 @@ class ModelParts:
     #: ``log_sum_sq_probs``: SFT's and DPO's metrics and weights): every scoring of the LM head appends
     #: each one's tensor to its list; empty: none asked
     head_outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: layers whose mixer is a short convolution (``trl_tree.short_conv``): packed calls only
+    conv_layers: int = 0
+
+    def refuse_walk(self) -> None:
+        """The depth-first walk carries attention's K/V down its stack, not a convolution's inputs:
+        a model with such layers is refused there, by name (packed calls compute them exactly)."""
+        if self.conv_layers:
+            raise ValueError(f"{type(self.causal_lm).__name__} has {self.conv_layers} short-convolution layers, which "
+                             "the depth-first walk (tree_mode='dfs') does not carry down its stack yet; use "
+                             "tree_mode='packed' (exact for them), with tree_token_budget to bound its memory")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -151,15 +163,22 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     causal_lm = pretrained
     text_config = causal_lm.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or ()
-    unsupported = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
-    if unsupported:
-        raise ValueError(
-            f"{type(causal_lm).__name__} has {', '.join(unsupported)} layers; the tree engine computes only "
-            "full (or short-enough sliding-window) softmax attention exactly"
-        )
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
+    convs = 0
+    if any(t in CONV_MODULES for t in layer_types):  # short convolutions: exact over the packed tree
+        convs = install_tree_convs(backbone)
+        if convs != sum(t in CONV_MODULES for t in layer_types):
+            raise ValueError(f"{type(causal_lm).__name__} declares {sum(t in CONV_MODULES for t in layer_types)} "
+                             f"conv layers but holds {convs} modules the tree engine knows "
+                             f"({', '.join(n for c in CONV_MODULES.values() for n in c)})")
+    unsupported = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES and t not in CONV_MODULES})
+    if unsupported:
+        raise ValueError(
+            f"{type(causal_lm).__name__} has {', '.join(unsupported)} layers; the tree engine computes only "
+            "full (or short-enough sliding-window) softmax attention and short convolutions exactly"
+        )
     if hasattr(lm_head, "base_layer"):  # a PEFT tuner layer (LoRA, IA3, ...) wrapped around the head
         raise ValueError(
             f"the LM head carries a PEFT adapter ({type(lm_head).__name__}: 'lm_head' in target_modules); the tree "
@@ -181,6 +200,7 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim_of(text_config),
+        conv_layers=convs,
     )
 
 

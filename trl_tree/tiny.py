@@ -25,6 +25,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 16}),
+    # a hybrid: short convolutions (kernel 3) between softmax-attention layers
+    "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+                            "conv_L_cache": 3, "conv_bias": True}),
 }
 
 #: (hidden, intermediate, layers, heads, kv heads, vocab, max positions) of Qwen2.5 models

@@ -1,0 +1,102 @@
+"""Short convolutions (LFM2's hybrid layers) over the tree: each token's convolution reads its root
+path's inputs, so log-probs and gradients equal the untreed computation (fp32, CPU), through the
+packed call, the padded batch, LoRA and the trainers; the depth-first walk refuses them by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from trl_tree import tree_backward, tree_logprobs  # noqa: E402
+from trl_tree.reference import untreed_backward, untreed_logprobs  # noqa: E402
+from trl_tree.tiny import random_tree, tiny_model  # noqa: E402
+
+VOCAB = 96
+FORESTS = {
+    # deep: long shared chains, branching several levels down; wide: many siblings off short prefixes;
+    # sequences shorter than the kernel and branches one token past a fork
+    "deep": random_tree(12, VOCAB, max_len=30, seed=7),
+    "wide": [[3, 4] + [10 + i, 20 + i % 3] for i in range(10)] + [[3], [3, 4], [3, 5]],
+    "short": [[7], [7, 1], [7, 1, 2], [8, 3], [7, 1, 9, 9, 9]],
+}
+
+
+def check_exact(model, seqs, **kwargs):
+    assert_logps_close(tree_logprobs(model, seqs, **kwargs), untreed_logprobs(model, seqs))
+    model.zero_grad(set_to_none=True)
+    tree_backward(model, seqs, weighted_loss, **kwargs)
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    untreed_backward(model, seqs, weighted_loss)
+    assert_grads_close(got, grads_of(model))
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kernel", [2, 3, 4])
+@pytest.mark.parametrize("forest", sorted(FORESTS))
+def test_short_convolutions_over_the_packed_tree(forest, kernel):
+    model = tiny_model("lfm2", conv_L_cache=kernel)
+    check_exact(model, FORESTS[forest])
+
+
+def test_checkpointed_recompute_and_the_padded_batch():
+    """HF's gradient checkpointing recomputes a layer in the backward, outside the call: the layer
+    still finds the tree's metadata. A batch with nothing shared runs as the padded batch, through
+    the model's own convolution."""
+    model = tiny_model("lfm2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_exact(model, FORESTS["deep"])
+    check_exact(model, [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [9, 9, 9, 9, 9]])
+
+
+def test_lora_on_the_convolutions_projections():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("lfm2"), LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj", "out_proj",
+                                                                                               "q_proj"],
+                                                           lora_dropout=0.0, init_lora_weights=False))
+    check_exact(model, FORESTS["wide"])
+
+
+def test_the_walk_refuses_them_by_name_and_auto_runs_packed():
+    model = tiny_model("lfm2")
+    with pytest.raises(ValueError, match="short-convolution layers.*tree_mode='dfs'"):
+        tree_logprobs(model, FORESTS["deep"], mode="dfs")
+    assert_logps_close(tree_logprobs(model, FORESTS["deep"], mode="auto"), untreed_logprobs(model, FORESTS["deep"]))
+
+
+def test_grpo_update_matches_stock_and_dfs_is_refused_at_construction(tmp_path):
+    from test_stock_parity import ONE_UPDATE, compare
+    from trainer_harness import run, save_tiny_checkpoint
+
+    from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "lfm2", "lfm2")
+    compare(checkpoint, ("packed",), **ONE_UPDATE)
+    compare(checkpoint, ("packed",), tree_fields={"tree_token_budget": 40}, **ONE_UPDATE)
+    with pytest.raises(ValueError, match="TreeGRPOTrainer: Lfm2ForCausalLM has 3 short-convolution layers"):
+        run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="dfs", **ONE_UPDATE)
+
+
+def test_sft_and_dpo_updates_match_stock(tmp_path):
+    from sft_harness import assert_same_update, dataset, run, save_sft_checkpoint
+    from test_dpo_trainer import compare as dpo_compare
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_tree import TreeSFTConfig, TreeSFTTrainer
+
+    checkpoint = save_sft_checkpoint(tmp_path / "lfm2", family="lfm2")
+    start = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float64).named_parameters()}
+    stock, _ = run(SFTTrainer, SFTConfig, checkpoint, dataset("turns"), dtype=torch.float64)
+    tree, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns"), dtype=torch.float64)
+    assert_same_update(stock, tree, start)
+    assert log[0]["tree/dedup_ratio"] > 1.0
+    dpo_compare(checkpoint)

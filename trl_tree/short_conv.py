@@ -1,0 +1,124 @@
+"""Short causal convolutions (LFM2's ``Lfm2ShortConv``) over a prefix tree, exact.
+
+Why it can be exact: a depthwise causal convolution of kernel ``k`` gives each token a weighted
+sum of its own input and the inputs of the ``k - 1`` tokens before it in its sequence. In a prefix
+tree those are the token's nearest ``k - 1`` ancestors on its root path, the same in every
+sequence through it, so the tree computes each unique token's output once, as it does its
+attention. The packed layout already lists every node's root path (``kv_index``, the keys its
+attention reads); the ancestor ``j`` steps up of a token at depth ``d`` is that path's entry
+``d - j``, or the sequence's zero padding where ``d < j`` — ``F.conv1d``'s left padding.
+
+How it is wired: the layer's own module stays in the model, its ``forward`` wrapped once
+(:func:`install_tree_convs`). A call that carries tree metadata gathers each token's ancestors'
+inputs and weighs them with the layer's own ``conv`` weight; every other call (generation, TRL's
+own forward, the padded batch the engine runs where nothing is shared — right padding sits after
+every real token) runs the original forward. The metadata reaches the convolution with the
+attention's keyword arguments: where the decoder layer hands them down to its mixer (recent
+transformers), directly; where it does not, through the layer, whose ``forward`` receives them and
+whose wrapper keeps the metadata in a context variable for the layer's duration. Either way HF's
+checkpointed recompute, which calls the layer again with the same arguments during the backward,
+finds it too — a recompute that ran the model's own convolution would change the numbers (and
+torch's checkpoint refuses it: another count of saved tensors).
+
+The depth-first walk does not carry a convolution's inputs down its stack yet: a model with such
+layers is refused there (``tree_mode="dfs"``) by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextvars import ContextVar
+
+import torch
+
+from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata
+
+#: layer type (``config.layer_types``) -> the module class that implements it, per family
+CONV_MODULES = {"conv": ("Lfm2ShortConv",)}
+
+#: the tree metadata of the decoder layer running now (set by the layer's wrapped forward)
+_CURRENT_CALL: ContextVar = ContextVar("trl_tree_conv_call", default=None)
+
+
+def conv_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's short-convolution mixers (modules of a class in :data:`CONV_MODULES`)."""
+    names = {n for classes in CONV_MODULES.values() for n in classes}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def install_tree_convs(backbone: torch.nn.Module) -> int:
+    """Wrap, once, every short convolution of ``backbone`` and the decoder layer holding it (see the
+    module docstring); returns how many convolutions the model has."""
+    convs = conv_modules(backbone)
+    for layer in backbone.modules():
+        if any(c is m for m in layer.children() for c in convs) and not getattr(layer, "_trl_tree_conv_layer", False):
+            layer.forward = _carrying_call(layer.forward)
+            layer._trl_tree_conv_layer = True
+    for conv in convs:
+        if not getattr(conv, "_trl_tree_conv", False):
+            conv.forward = functools.partial(_conv_forward, conv, conv.forward)
+            conv._trl_tree_conv = True
+    return len(convs)
+
+
+def _carrying_call(forward):
+    @functools.wraps(forward)
+    def layer_forward(*args, **kwargs):
+        carried = kwargs.get(TREE_KWARG)
+        token = _CURRENT_CALL.set(carried.meta if carried is not None else None)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _CURRENT_CALL.reset(token)
+
+    return layer_forward
+
+
+def _conv_forward(module, original, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    carried = kwargs.pop(TREE_KWARG, None)  # transformers versions that hand the layer's kwargs down
+    meta = carried.meta if carried is not None else _CURRENT_CALL.get()
+    if meta is None:
+        return original(hidden_states, *args, **kwargs)
+    if isinstance(meta, DenseCausalBatch):  # the padded batch: the model's own convolution is exact there
+        meta.calls += 1
+        return original(hidden_states, *args, **kwargs)
+    if not isinstance(meta, TreeAttentionMetadata):
+        raise ValueError(f"{type(module).__name__}: the depth-first walk (tree_mode='dfs') does not carry a short "
+                         "convolution's inputs down its stack yet; use tree_mode='packed'")
+    meta.calls += 1
+    return tree_short_conv(module, hidden_states, path_ancestors(meta, module.conv.weight.shape[-1]))
+
+
+def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:
+    """``[U, k]``: column ``j`` holds the packed index of each token's ancestor ``j`` steps up its
+    root path (column 0 the token itself), ``U`` where the path is shorter (a zero row); built once
+    per forest and kernel size."""
+    key = ("path_ancestors", k)
+    table = meta._cache.get(key)
+    if table is None:
+        device = meta.kv_index.device
+        cu_q, cu_k = meta.cu_seqlens_q.long(), meta.cu_seqlens_k.long()
+        node = torch.repeat_interleave(torch.arange(cu_q.numel() - 1, device=device), cu_q.diff())
+        depth = meta.position_ids[0]
+        steps = torch.arange(k, device=device)
+        along = depth[:, None] - steps[None, :]  # the ancestor's depth on the path
+        index = (cu_k[node][:, None] + along.clamp(min=0)).clamp(max=meta.kv_index.numel() - 1)
+        table = torch.where(along >= 0, meta.kv_index[index], torch.full_like(index, meta.num_tokens))
+        meta._cache[key] = table
+    return table
+
+
+def tree_short_conv(module, hidden_states: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """LFM2's short convolution (``in_proj`` into gates B, C and input x; ``C * conv(B * x)``;
+    ``out_proj``) on the packed row ``hidden_states [1, U, H]``, each token's convolution over
+    its root path (``ancestors``, :func:`path_ancestors`) instead of the row's order."""
+    x = hidden_states[0]
+    b, c, inputs = module.in_proj(x).chunk(3, dim=-1)
+    bx = b * inputs
+    weight = module.conv.weight  # [H, 1, k]: tap i multiplies the input k - 1 - i steps back
+    padded = torch.cat([bx.to(weight.dtype), bx.new_zeros(1, bx.shape[-1], dtype=weight.dtype)])
+    taps = weight[:, 0, :].flip(-1).t()  # [k, H]: row j weighs the ancestor j steps up
+    conv = torch.einsum("ukh,kh->uh", padded[ancestors], taps)
+    if module.conv.bias is not None:
+        conv = conv + module.conv.bias
+    return module.out_proj(c * conv.to(bx.dtype)).unsqueeze(0)
