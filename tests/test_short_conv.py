@@ -1,6 +1,7 @@
 """Short convolutions (LFM2's hybrid layers) over the tree: each token's convolution reads its root
-path's inputs, so log-probs and gradients equal the untreed computation (fp32, CPU), through the
-packed call, the padded batch, LoRA and the trainers; the depth-first walk refuses them by name."""
+path's inputs — in the packed call from the forest's root paths, in the depth-first walk from the
+layer's stack slots — so log-probs and gradients equal the untreed computation (fp32, CPU), through
+the padded batch, checkpointing, LoRA and the GRPO, SFT and DPO trainers."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ FORESTS = {
 }
 
 
-def check_exact(model, seqs, **kwargs):
+def check_exact(model, seqs, keep_graph=None, **kwargs):
     assert_logps_close(tree_logprobs(model, seqs, **kwargs), untreed_logprobs(model, seqs))
     model.zero_grad(set_to_none=True)
-    tree_backward(model, seqs, weighted_loss, **kwargs)
+    tree_backward(model, seqs, weighted_loss, **kwargs, **({} if keep_graph is None else {"keep_graph": keep_graph}))
     got = grads_of(model)
     model.zero_grad(set_to_none=True)
     untreed_backward(model, seqs, weighted_loss)
@@ -42,6 +43,26 @@ def check_exact(model, seqs, **kwargs):
 def test_short_convolutions_over_the_packed_tree(forest, kernel):
     model = tiny_model("lfm2", conv_L_cache=kernel)
     check_exact(model, FORESTS[forest])
+
+
+#: the walk's shapes: nodes cut into chunks shorter and longer than the kernel, a pushed node's graph
+#: kept or recomputed (merged with its first group), groups sized by a tiny budget (every node alone)
+WALKS = {
+    "chunk_1": {"chunk_size": 1},
+    "chunk_2": {"chunk_size": 2},
+    "chunk_5": {"chunk_size": 5},
+    "keep_graph": {"chunk_size": 3, "keep_graph": True},
+    "groups": {},
+    "tiny_budget": {"memory_budget": 1},
+}
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
+@pytest.mark.parametrize("forest", sorted(FORESTS))
+def test_short_convolutions_over_the_walk(forest, walk):
+    """Each unit reads the k - 1 inputs above it from the layer's stack slots and hands their gradient
+    back to the pushed nodes that own them."""
+    check_exact(tiny_model("lfm2", conv_L_cache=4), FORESTS[forest], mode="dfs", **WALKS[walk])
 
 
 def test_checkpointed_recompute_and_the_padded_batch():
@@ -64,24 +85,22 @@ def test_lora_on_the_convolutions_projections():
     check_exact(model, FORESTS["wide"])
 
 
-def test_the_walk_refuses_them_by_name_and_auto_runs_packed():
+def test_checkpointed_walk():
     model = tiny_model("lfm2")
-    with pytest.raises(ValueError, match="short-convolution layers.*tree_mode='dfs'"):
-        tree_logprobs(model, FORESTS["deep"], mode="dfs")
-    assert_logps_close(tree_logprobs(model, FORESTS["deep"], mode="auto"), untreed_logprobs(model, FORESTS["deep"]))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_exact(model, FORESTS["deep"], mode="dfs", chunk_size=3)
 
 
-def test_grpo_update_matches_stock_and_dfs_is_refused_at_construction(tmp_path):
+def test_grpo_update_matches_stock():
     from test_stock_parity import ONE_UPDATE, compare
-    from trainer_harness import run, save_tiny_checkpoint
+    from trainer_harness import save_tiny_checkpoint
 
-    from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
+    import tempfile
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "lfm2", "lfm2")
-    compare(checkpoint, ("packed",), **ONE_UPDATE)
+    checkpoint = save_tiny_checkpoint(tempfile.mkdtemp() + "/lfm2", "lfm2")
+    compare(checkpoint, ("packed", "dfs"), **ONE_UPDATE)
     compare(checkpoint, ("packed",), tree_fields={"tree_token_budget": 40}, **ONE_UPDATE)
-    with pytest.raises(ValueError, match="TreeGRPOTrainer: Lfm2ForCausalLM has 3 short-convolution layers"):
-        run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_mode="dfs", **ONE_UPDATE)
 
 
 def test_sft_and_dpo_updates_match_stock(tmp_path):
@@ -96,7 +115,10 @@ def test_sft_and_dpo_updates_match_stock(tmp_path):
     start = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=torch.float64).named_parameters()}
     stock, _ = run(SFTTrainer, SFTConfig, checkpoint, dataset("turns"), dtype=torch.float64)
-    tree, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns"), dtype=torch.float64)
-    assert_same_update(stock, tree, start)
-    assert log[0]["tree/dedup_ratio"] > 1.0
+    for mode in ("packed", "dfs"):
+        tree, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns"), dtype=torch.float64,
+                        tree_mode=mode)
+        assert_same_update(stock, tree, start)
+        assert log[0]["tree/dedup_ratio"] > 1.0
     dpo_compare(checkpoint)
+    dpo_compare(checkpoint, tree={"tree_mode": "dfs"})

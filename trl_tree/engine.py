@@ -226,8 +226,6 @@ def _resolve_auto(mode: str, parts: ModelParts, forest: PrefixForest, opts: Tree
     chunk that fits, unless ``opts`` names one (cost_model)."""
     if mode != "auto":
         return mode, opts
-    if parts.conv_layers:  # the walk does not run short convolutions (ModelParts.refuse_walk)
-        return "packed", opts
     budget = opts.memory_budget if opts.memory_budget is not None else default_memory_budget(parts.device)
     if budget is None:
         return "packed", opts
@@ -247,8 +245,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: 
     walk that recomputes its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``),
     and its units keep their attention outputs for the checkpointed recompute where the memory model
     lets them (``opts.keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
-    parts.refuse_walk()
-    cuda_graphs = opts.cuda_graphs
+    cuda_graphs = opts.cuda_graphs and not parts.conv_layers  # short convolutions: eager units, own slots
     features = attention_features(parts.causal_lm.config)
     backend = backends.resolve_dfs_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=bool(cuda_graphs), **features)

@@ -60,16 +60,9 @@ class ModelParts:
     #: ``log_sum_sq_probs``: SFT's and DPO's metrics and weights): every scoring of the LM head appends
     #: each one's tensor to its list; empty: none asked
     head_outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    #: layers whose mixer is a short convolution (``trl_tree.short_conv``): packed calls only
+    #: layers whose mixer is a short convolution (``trl_tree.short_conv``): their calls run eagerly
+    #: (no CUDA graphs)
     conv_layers: int = 0
-
-    def refuse_walk(self) -> None:
-        """The depth-first walk carries attention's K/V down its stack, not a convolution's inputs:
-        a model with such layers is refused there, by name (packed calls compute them exactly)."""
-        if self.conv_layers:
-            raise ValueError(f"{type(self.causal_lm).__name__} has {self.conv_layers} short-convolution layers, which "
-                             "the depth-first walk (tree_mode='dfs') does not carry down its stack yet; use "
-                             "tree_mode='packed' (exact for them), with tree_token_budget to bound its memory")
 
     @property
     def compute_dtype(self) -> torch.dtype:

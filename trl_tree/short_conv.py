@@ -20,8 +20,12 @@ checkpointed recompute, which calls the layer again with the same arguments duri
 finds it too — a recompute that ran the model's own convolution would change the numbers (and
 torch's checkpoint refuses it: another count of saved tensors).
 
-The depth-first walk does not carry a convolution's inputs down its stack yet: a model with such
-layers is refused there (``tree_mode="dfs"``) by name.
+The depth-first walk carries a convolution's inputs down its stack as it carries attention's K/V
+(:func:`unit_short_conv`): a unit writes its tokens' inputs into the layer's stack slots (its
+pushed node's slots are its tokens' depths), reads the ``k - 1`` slots below its depth for the
+tokens whose ancestors sit there, and in its backward adds those slots' gradients into the
+stack's gradient buffer, which the owning node takes into its own backward when it is popped —
+the K/V stack's protocol (``dfs/stack.py``), one buffer per convolution layer.
 """
 
 from __future__ import annotations
@@ -82,11 +86,10 @@ def _conv_forward(module, original, hidden_states: torch.Tensor, *args, **kwargs
     if isinstance(meta, DenseCausalBatch):  # the padded batch: the model's own convolution is exact there
         meta.calls += 1
         return original(hidden_states, *args, **kwargs)
-    if not isinstance(meta, TreeAttentionMetadata):
-        raise ValueError(f"{type(module).__name__}: the depth-first walk (tree_mode='dfs') does not carry a short "
-                         "convolution's inputs down its stack yet; use tree_mode='packed'")
     meta.calls += 1
-    return tree_short_conv(module, hidden_states, path_ancestors(meta, module.conv.weight.shape[-1]))
+    if isinstance(meta, TreeAttentionMetadata):
+        return tree_short_conv(module, hidden_states, path_ancestors(meta, module.conv.weight.shape[-1]))
+    return unit_short_conv(module, hidden_states, meta)
 
 
 def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:
@@ -108,17 +111,98 @@ def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:
     return table
 
 
+def _gates(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C, B * x)`` of LFM2's input projection, for a row ``[1, n, H]``."""
+    b, c, inputs = module.in_proj(hidden_states[0]).chunk(3, dim=-1)
+    return c, b * inputs
+
+
+def _convolved(module, c: torch.Tensor, sources: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """``out_proj(C * conv)``, the convolution of each row over ``sources[ancestors[row]]`` (column
+    ``j``: the input ``j`` steps up the row's path; the last source row is the zero padding)."""
+    weight = module.conv.weight  # [H, 1, k]: tap i multiplies the input k - 1 - i steps back
+    taps = weight[:, 0, :].flip(-1).t()  # [k, H]: row j weighs the ancestor j steps up
+    conv = torch.einsum("ukh,kh->uh", sources.to(weight.dtype)[ancestors], taps)
+    if module.conv.bias is not None:
+        conv = conv + module.conv.bias
+    return module.out_proj(c * conv.to(c.dtype)).unsqueeze(0)
+
+
 def tree_short_conv(module, hidden_states: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """LFM2's short convolution (``in_proj`` into gates B, C and input x; ``C * conv(B * x)``;
     ``out_proj``) on the packed row ``hidden_states [1, U, H]``, each token's convolution over
     its root path (``ancestors``, :func:`path_ancestors`) instead of the row's order."""
-    x = hidden_states[0]
-    b, c, inputs = module.in_proj(x).chunk(3, dim=-1)
-    bx = b * inputs
-    weight = module.conv.weight  # [H, 1, k]: tap i multiplies the input k - 1 - i steps back
-    padded = torch.cat([bx.to(weight.dtype), bx.new_zeros(1, bx.shape[-1], dtype=weight.dtype)])
-    taps = weight[:, 0, :].flip(-1).t()  # [k, H]: row j weighs the ancestor j steps up
-    conv = torch.einsum("ukh,kh->uh", padded[ancestors], taps)
-    if module.conv.bias is not None:
-        conv = conv + module.conv.bias
-    return module.out_proj(c * conv.to(bx.dtype)).unsqueeze(0)
+    c, bx = _gates(module, hidden_states)
+    return _convolved(module, c, torch.cat([bx, bx.new_zeros(1, bx.shape[-1])]), ancestors)
+
+
+def unit_short_conv(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
+    """The convolution of one unit of the depth-first walk (``dfs.stack.UnitAttentionMetadata``)
+    against the layer's stack slots: see the module docstring."""
+    if meta.own_slots is not None:
+        raise ValueError("a walk unit padded to buckets (CUDA graphs) does not run short convolutions")
+    k = module.conv.weight.shape[-1]
+    c, bx = _gates(module, hidden_states)
+    stack, layer, depth, n = meta.stack, module.layer_idx, meta.depth, meta.num_tokens
+    buf, _ = stack.buffers(layer, bx)  # [slots, H]: the path's inputs by depth, then the unit's own
+    buf[depth : depth + n] = bx.detach()
+    low = max(0, depth - (k - 1))
+    grads = stack.grad_buffers(layer)[0] if torch.is_grad_enabled() else None
+    sources = _StackedInputs.apply(bx, buf, grads, low, depth, meta.pushed_tokens)
+    sources = torch.cat([sources, sources.new_zeros(1, sources.shape[-1])])
+    return _convolved(module, c, sources, unit_ancestors(meta, k, low))
+
+
+class _StackedInputs(torch.autograd.Function):
+    """``[the stack's slots low..depth; the unit's own inputs]``; the backward adds the stack slots'
+    gradient into the stack's fp32 gradient buffer (their owners take it when popped) and hands the
+    unit's pushed rows the gradient their descendants left in their slots, emptying them."""
+
+    @staticmethod
+    def forward(ctx, bx, buf, grads, low: int, depth: int, pushed: int):
+        ctx.grads, ctx.low, ctx.depth, ctx.pushed = grads, low, depth, pushed
+        return torch.cat([buf[low:depth], bx])
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads, low, depth, pushed = ctx.grads, ctx.low, ctx.depth, ctx.pushed
+        prefix = depth - low
+        if prefix:
+            grads[low:depth] += grad[:prefix].float()
+        own = grad[prefix:]
+        if pushed:
+            slots = grads[depth : depth + pushed]
+            own = own.clone()
+            own[:pushed] = (slots + own[:pushed]).to(own.dtype)  # summed in fp32, rounded once
+            slots.zero_()
+        return own, None, None, None, None, None
+
+
+def unit_ancestors(meta, k: int, low: int) -> torch.Tensor:
+    """``[n, k]`` rows of a unit's convolution sources (``[stack slots low..depth; own rows; zero]``):
+    column ``j`` the ancestor ``j`` steps up each token's path — an own row where it is in the unit
+    (the node's in-unit path, ``kv_local``), else the stack slot at its depth, else the zero row.
+    Built once per unit and kernel size."""
+    cache = meta._conv
+    table = cache.get((k, low))
+    if table is None:
+        device = meta.position_ids.device
+        n, depth = meta.num_tokens, meta.depth
+        cu_q, cu_k = meta.cu_seqlens_q.long(), meta.cu_seqlens_k.long()
+        q_len = cu_q.diff()
+        node = torch.repeat_interleave(torch.arange(q_len.numel(), device=device), q_len)
+        row = torch.arange(n, device=device)
+        if meta.kv_local is None:  # each node's in-unit path is itself
+            path_start, path_len, path = cu_q[node], q_len[node], row
+        else:
+            path_start, path_len, path = cu_k[node], cu_k.diff()[node], meta.kv_local
+        at = path_len - q_len[node] + (row - cu_q[node])  # the token's place on its in-unit path
+        steps = torch.arange(k, device=device)
+        up = at[:, None] - steps[None, :]
+        own = path[(path_start[:, None] + up.clamp(min=0)).clamp(max=path.numel() - 1)]
+        slot = meta.position_ids[0][:, None] - steps[None, :]  # the ancestor's depth: its stack slot
+        prefix = depth - low
+        table = torch.where(up >= 0, prefix + own,
+                            torch.where(slot >= low, slot - low, torch.full_like(slot, prefix + n)))
+        cache[(k, low)] = table
+    return table

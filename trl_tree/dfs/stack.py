@@ -102,7 +102,8 @@ class UnitAttentionMetadata:
 
     #: not the unit's layout (``graphs._layout_signature``): its stack, call counter, lazily built
     #: kernels and masks, and whether a graph replays it
-    NOT_LAYOUT: ClassVar[tuple[str, ...]] = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed", "kept")
+    NOT_LAYOUT: ClassVar[tuple[str, ...]] = ("stack", "calls", "pairs", "_mask", "_windowed", "graphed", "kept",
+                                             "_conv")
 
     backend: str
     stack: KVStack
@@ -136,6 +137,7 @@ class UnitAttentionMetadata:
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _windowed: dict = field(default_factory=dict, repr=False)  # window -> windowed_paths
+    _conv: dict = field(default_factory=dict, repr=False)  # (kernel, low) -> a short convolution's sources
 
     @classmethod
     def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,

@@ -61,11 +61,6 @@ class TreeCallsMixin:
             raise ValueError(f"{name}: vision-language models are not supported by the tree; set tree_mode='off'")
         self._refuse_prompt_learning(self.model)
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
-        if args.tree_mode == "dfs":
-            try:
-                parts.refuse_walk()  # a layer the walk does not run (short convolutions), named now
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
         self._refuse_dropout(self.model, "the model")
         # the precision the steps run in: bf16/fp16 mixed precision runs them under autocast
         compute_dtype = parts.compute_dtype_under(torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None)
