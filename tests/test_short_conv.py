@@ -92,13 +92,11 @@ def test_checkpointed_walk():
     check_exact(model, FORESTS["deep"], mode="dfs", chunk_size=3)
 
 
-def test_grpo_update_matches_stock():
+def test_grpo_update_matches_stock(tmp_path):
     from test_stock_parity import ONE_UPDATE, compare
     from trainer_harness import save_tiny_checkpoint
 
-    import tempfile
-
-    checkpoint = save_tiny_checkpoint(tempfile.mkdtemp() + "/lfm2", "lfm2")
+    checkpoint = save_tiny_checkpoint(tmp_path / "lfm2", "lfm2")
     compare(checkpoint, ("packed", "dfs"), **ONE_UPDATE)
     compare(checkpoint, ("packed",), tree_fields={"tree_token_budget": 40}, **ONE_UPDATE)
 
