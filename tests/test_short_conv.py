@@ -120,3 +120,12 @@ def test_sft_and_dpo_updates_match_stock(tmp_path):
         assert log[0]["tree/dedup_ratio"] > 1.0
     dpo_compare(checkpoint)
     dpo_compare(checkpoint, tree={"tree_mode": "dfs"})
+
+
+def test_compiled_layers():
+    """``tree_compile_layers``: the convolution's projections compile, its tree gathers stay eager."""
+    from trl_tree.compile import compile_layers
+
+    model = tiny_model("lfm2")
+    assert compile_layers(model, backend="aot_eager") > 0
+    check_exact(model, FORESTS["short"], mode="dfs", chunk_size=2)  # the walk: its stack code stays eager

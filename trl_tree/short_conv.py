@@ -92,6 +92,7 @@ def _conv_forward(module, original, hidden_states: torch.Tensor, *args, **kwargs
     return unit_short_conv(module, hidden_states, meta)
 
 
+@torch.compiler.disable
 def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:
     """``[U, k]``: column ``j`` holds the packed index of each token's ancestor ``j`` steps up its
     root path (column 0 the token itself), ``U`` where the path is shorter (a zero row); built once
@@ -143,14 +144,22 @@ def unit_short_conv(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
         raise ValueError("a walk unit padded to buckets (CUDA graphs) does not run short convolutions")
     k = module.conv.weight.shape[-1]
     c, bx = _gates(module, hidden_states)
-    stack, layer, depth, n = meta.stack, module.layer_idx, meta.depth, meta.num_tokens
+    sources, ancestors = _unit_sources(meta, module.layer_idx, k, bx)
+    return _convolved(module, c, sources, ancestors)
+
+
+@torch.compiler.disable
+def _unit_sources(meta, layer: int, k: int, bx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit's convolution sources and their table (:func:`unit_ancestors`), its inputs written
+    into the layer's stack slots. Eager under compiled layers (``trl_tree.compile``): it reads and
+    writes the walk's Python-side stack, which a compiled graph would freeze."""
+    stack, depth, n = meta.stack, meta.depth, meta.num_tokens
     buf, _ = stack.buffers(layer, bx)  # [slots, H]: the path's inputs by depth, then the unit's own
     buf[depth : depth + n] = bx.detach()
     low = max(0, depth - (k - 1))
     grads = stack.grad_buffers(layer)[0] if torch.is_grad_enabled() else None
     sources = _StackedInputs.apply(bx, buf, grads, low, depth, meta.pushed_tokens)
-    sources = torch.cat([sources, sources.new_zeros(1, sources.shape[-1])])
-    return _convolved(module, c, sources, unit_ancestors(meta, k, low))
+    return torch.cat([sources, sources.new_zeros(1, sources.shape[-1])]), unit_ancestors(meta, k, low)
 
 
 class _StackedInputs(torch.autograd.Function):
