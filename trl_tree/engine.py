@@ -245,7 +245,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: 
     walk that recomputes its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``),
     and its units keep their attention outputs for the checkpointed recompute where the memory model
     lets them (``opts.keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
-    cuda_graphs = opts.cuda_graphs and not parts.conv_layers  # short convolutions: eager units, own slots
+    cuda_graphs = False if parts.conv_layers else opts.cuda_graphs  # short convolutions: eager units, own slots
     features = attention_features(parts.causal_lm.config)
     backend = backends.resolve_dfs_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=bool(cuda_graphs), **features)
