@@ -36,6 +36,13 @@ def save_sft_checkpoint(path, family: str = "qwen2", **overrides) -> str:
                                                                           **overrides})
 
 
+def save_moe_checkpoint(path, family: str) -> str:
+    """A tiny MoE model of ``family`` (qwen3_moe, gpt_oss) with its load-balancing loss on; GPT-OSS
+    in eager attention (its sinks have no SDPA implementation)."""
+    extra = {"attn_implementation": "eager"} if family == "gpt_oss" else {}
+    return save_sft_checkpoint(path, family=family, router_aux_loss_coef=0.5, **extra)
+
+
 def conversations(n: int = 4, turns: int = 3, tools: bool = False) -> list[dict]:
     out = []
     for c in range(n):

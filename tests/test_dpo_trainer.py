@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
-from sft_harness import assert_same_update, save_sft_checkpoint, sft_tokenizer
+from sft_harness import assert_same_update, save_moe_checkpoint, save_sft_checkpoint, sft_tokenizer
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer
 
@@ -185,9 +185,7 @@ def test_cuda_graphs_replay_the_policy_call(checkpoint, monkeypatch):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def moe_checkpoint(request, tmp_path_factory):
-    extra = {"attn_implementation": "eager"} if request.param == "gpt_oss" else {}  # its sinks: no sdpa
-    return save_sft_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", family=request.param,
-                               router_aux_loss_coef=0.5, **extra)
+    return save_moe_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", request.param)
 
 
 MOE_CASES = {

@@ -3,7 +3,7 @@ parameters so that only a real difference shows; the logged metrics; each refusa
 
 import pytest
 import torch
-from sft_harness import assert_same_update, dataset, run, save_sft_checkpoint, sft_tokenizer
+from sft_harness import assert_same_update, dataset, run, save_moe_checkpoint, save_sft_checkpoint, sft_tokenizer
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
@@ -137,9 +137,7 @@ def test_compute_loss_func_is_refused(checkpoint, tmp_path):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def moe_checkpoint(request, tmp_path_factory):
-    extra = {"attn_implementation": "eager"} if request.param == "gpt_oss" else {}  # its sinks: no sdpa
-    return save_sft_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", family=request.param,
-                               router_aux_loss_coef=0.5, **extra)
+    return save_moe_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", request.param)
 
 
 MOE_CASES = {

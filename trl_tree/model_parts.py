@@ -159,11 +159,11 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
-    convs = 0
-    if any(t in CONV_MODULES for t in layer_types):  # short convolutions: exact over the packed tree
+    convs, declared = 0, sum(t in CONV_MODULES for t in layer_types)
+    if declared:  # short convolutions: exact over the tree (trl_tree.short_conv)
         convs = install_tree_convs(backbone)
-        if convs != sum(t in CONV_MODULES for t in layer_types):
-            raise ValueError(f"{type(causal_lm).__name__} declares {sum(t in CONV_MODULES for t in layer_types)} "
+        if convs != declared:
+            raise ValueError(f"{type(causal_lm).__name__} declares {declared} "
                              f"conv layers but holds {convs} modules the tree engine knows "
                              f"({', '.join(n for c in CONV_MODULES.values() for n in c)})")
     unsupported = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES and t not in CONV_MODULES})

@@ -52,16 +52,19 @@ def conv_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def install_tree_convs(backbone: torch.nn.Module) -> int:
     """Wrap, once, every short convolution of ``backbone`` and the decoder layer holding it (see the
-    module docstring); returns how many convolutions the model has."""
+    module docstring); returns how many convolutions the model has. Later calls (every engine call
+    validates its model) read the count kept on the backbone instead of walking its modules again."""
+    installed = getattr(backbone, "_trl_tree_convs", None)
+    if installed is not None:
+        return installed
     convs = conv_modules(backbone)
+    held = {id(c) for c in convs}
     for layer in backbone.modules():
-        if any(c is m for m in layer.children() for c in convs) and not getattr(layer, "_trl_tree_conv_layer", False):
+        if any(id(m) in held for m in layer.children()):
             layer.forward = _carrying_call(layer.forward)
-            layer._trl_tree_conv_layer = True
     for conv in convs:
-        if not getattr(conv, "_trl_tree_conv", False):
-            conv.forward = functools.partial(_conv_forward, conv, conv.forward)
-            conv._trl_tree_conv = True
+        conv.forward = functools.partial(_conv_forward, conv, conv.forward)
+    backbone._trl_tree_convs = len(convs)
     return len(convs)
 
 
