@@ -117,7 +117,7 @@ def test_model_whose_attention_bypasses_the_interface():
     model = tiny_model("llama")
     for layer in model.model.layers:
         layer.self_attn = _HandWrittenAttention(layer.self_attn)
-    with pytest.raises(ValueError, match="0 of its 2 layers ran their attention through transformers' AttentionInterface"):
+    with pytest.raises(ValueError, match=r"0 of its 2 attention layers and mixers ran through the tree \(attention through transformers' AttentionInterface\)"):
         tree_logprobs(model, [[1, 2, 3], [1, 2, 4]])
 
 

@@ -183,10 +183,10 @@ def _score(
     meta = scores = checkpointing = None
     cuda_graphs, keep_attention = opts.cuda_graphs, opts.keep_attention
     # a length-dependent RoPE reads the call's length on the host (dynamic NTK), router logits are recorded
-    # by hooks, short convolutions gather through tables built at the call: such calls run eagerly
+    # by hooks, hybrid mixers gather through tables built at the call: such calls run eagerly
     if (cuda_graphs and torch.is_grad_enabled() and not runs_as_padded_batch(parts, forest)
             and not parts.length_dependent_rope and parts.router is None and parts.value_head is None
-            and not parts.conv_layers):
+            and not parts.mixer_layers):
         backend = backends.resolve_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=True,
                                            **attention_features(parts.causal_lm.config))
@@ -245,7 +245,7 @@ def _dfs_walk(parts: ModelParts, forest: PrefixForest, plan: ScoringPlan, opts: 
     walk that recomputes its pushed nodes merges each pop with a group where it fits (``dfs/plan.py``),
     and its units keep their attention outputs for the checkpointed recompute where the memory model
     lets them (``opts.keep_attention`` as for packed calls; ``GroupBudget.keeps_attention``)."""
-    cuda_graphs = False if parts.conv_layers else opts.cuda_graphs  # short convolutions: eager units, own slots
+    cuda_graphs = False if parts.mixer_layers else opts.cuda_graphs  # hybrid mixers: eager units, own slots
     features = attention_features(parts.causal_lm.config)
     backend = backends.resolve_dfs_backend(opts.attn_backend, parts.device, parts.compute_dtype,
                                            hidden_size=parts.hidden_size, graphed=bool(cuda_graphs), **features)

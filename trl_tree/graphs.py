@@ -534,7 +534,7 @@ def _capture(runner: GraphRunner, parts: ModelParts, pair: _GraphPair, temperatu
     def forward() -> tuple:
         meta.calls = 0
         meta._cache.clear()  # masks built lazily from the static tensors: inside the graph, every replay
-        meta.kept = KeptAttention(parts.num_layers) if keep else None
+        meta.kept = KeptAttention(parts.tree_calls) if keep else None
         pair.views = runner.parameter_views() if by_views else {}
         with _swapped_in(slots, pair.views):
             hidden = tree_forward(parts, pair.tokens.unsqueeze(0), meta)

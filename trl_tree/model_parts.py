@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .short_conv import CONV_MODULES, install_tree_convs
+from .mixers import MIXER_LAYER_TYPES, TOKENWISE_LAYER_TYPES, install_tree_mixers, unknown_mixers
 
 #: layer types whose attention the tree computes exactly (sliding windows only while no sequence
 #: is longer than the window, checked per call by the attention function)
@@ -60,9 +60,12 @@ class ModelParts:
     #: ``log_sum_sq_probs``: SFT's and DPO's metrics and weights): every scoring of the LM head appends
     #: each one's tensor to its list; empty: none asked
     head_outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    #: layers whose mixer is a short convolution (``trl_tree.short_conv``): their calls run eagerly
-    #: (no CUDA graphs)
-    conv_layers: int = 0
+    #: sequence mixers other than softmax attention (``trl_tree.mixers``: short convolutions, gated
+    #: DeltaNet, Mamba-2): their calls run eagerly (no CUDA graphs)
+    mixer_layers: int = 0
+    #: tree calls one forward serves (each attention and each mixer counts one): checked after a
+    #: forward, and how a checkpointed recompute is told from the forward (``attention/kept.py``)
+    tree_calls: int = 0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -159,19 +162,24 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
-    convs, declared = 0, sum(t in CONV_MODULES for t in layer_types)
-    if declared:  # short convolutions: exact over the tree (trl_tree.short_conv)
-        convs = install_tree_convs(backbone)
-        if convs != declared:
-            raise ValueError(f"{type(causal_lm).__name__} declares {declared} "
-                             f"conv layers but holds {convs} modules the tree engine knows "
-                             f"({', '.join(n for c in CONV_MODULES.values() for n in c)})")
-    unsupported = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES and t not in CONV_MODULES})
+    mixers = 0
+    if any(t in MIXER_LAYER_TYPES for t in layer_types):  # hybrids: exact over the tree (trl_tree.mixers)
+        unknown = unknown_mixers(backbone, layer_types)
+        if unknown:
+            raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "
+                             f"({'; '.join(unknown)}); it runs softmax attention, short convolutions (LFM2), "
+                             "gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid)")
+        mixers = install_tree_mixers(backbone)
+    allowed = SUPPORTED_LAYER_TYPES + MIXER_LAYER_TYPES + TOKENWISE_LAYER_TYPES
+    unsupported = sorted({t for t in layer_types if t not in allowed})
     if unsupported:
         raise ValueError(
             f"{type(causal_lm).__name__} has {', '.join(unsupported)} layers; the tree engine computes only "
-            "full (or short-enough sliding-window) softmax attention and short convolutions exactly"
+            "full (or short-enough sliding-window) softmax attention, short convolutions, gated DeltaNet and "
+            "Mamba-2 mixers exactly"
         )
+    num_layers = int(text_config.num_hidden_layers)
+    attention = sum(t in SUPPORTED_LAYER_TYPES for t in layer_types) if layer_types else num_layers
     if hasattr(lm_head, "base_layer"):  # a PEFT tuner layer (LoRA, IA3, ...) wrapped around the head
         raise ValueError(
             f"the LM head carries a PEFT adapter ({type(lm_head).__name__}: 'lm_head' in target_modules); the tree "
@@ -187,13 +195,14 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         causal_lm=causal_lm,
         backbone=backbone,
         lm_head=lm_head,
-        num_layers=int(text_config.num_hidden_layers),
+        num_layers=num_layers,
         vocab_size=int(vocab),
         max_positions=getattr(text_config, "max_position_embeddings", None),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim_of(text_config),
-        conv_layers=convs,
+        mixer_layers=mixers,
+        tree_calls=attention + mixers,
     )
 
 

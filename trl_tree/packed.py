@@ -99,11 +99,11 @@ def tree_forward(parts: ModelParts, input_ids: torch.Tensor, meta) -> torch.Tens
 
 
 def _check_every_layer(parts: ModelParts, meta, captured: list) -> None:
-    if meta.calls != parts.num_layers or not captured:
+    if meta.calls != parts.tree_calls or not captured:
         raise ValueError(
-            f"{type(parts.causal_lm).__name__}: {meta.calls} of its {parts.num_layers} layers ran their attention "
-            "through transformers' AttentionInterface; the tree engine needs every layer to (a model with "
-            "hand-written or non-softmax attention would silently mix branches)"
+            f"{type(parts.causal_lm).__name__}: {meta.calls} of its {parts.tree_calls} attention layers and mixers "
+            "ran through the tree (attention through transformers' AttentionInterface); the tree engine needs every "
+            "one to (a model with hand-written or non-softmax attention would silently mix branches)"
         )
 
 
@@ -233,7 +233,7 @@ def packed_hidden_states(parts: ModelParts, forest: PrefixForest, attn_backend: 
     if meta is None:
         meta = tree_metadata(parts, forest, backend)
     if keeps_attention(parts, backend, keep_attention, checkpointing):
-        meta.kept = KeptAttention(parts.num_layers)
+        meta.kept = KeptAttention(parts.tree_calls)
     return tree_forward(parts, tokens.unsqueeze(0), meta)
 
 

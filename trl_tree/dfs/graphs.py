@@ -278,7 +278,7 @@ class UnitReplay:
         def forward() -> tuple:
             meta.calls = 0
             # kept for the recompute inside the captured backward (``attention/kept.py``)
-            meta.kept = KeptAttention(parts.num_layers) if meta.keep_attention and graph.train else None
+            meta.kept = KeptAttention(parts.tree_calls) if meta.keep_attention and graph.train else None
             meta._mask = None  # the reference backends' mask, built from the static tensors inside the graph
             graph.views = runner.parameter_views() if by_views else {}
             with packed_graphs._swapped_in(slots, graph.views):

@@ -52,6 +52,12 @@ class KVStack:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.dk: list[torch.Tensor | None] = [None] * num_layers
         self.dv: list[torch.Tensor | None] = [None] * num_layers
+        # a layer's sequence mixer (``trl_tree.mixers``): its convolution's inputs by depth and their
+        # gradients, and the recurrent state at the end of each pushed node, keyed (layer, depth)
+        self.conv: list[torch.Tensor | None] = [None] * num_layers
+        self.dconv: list[torch.Tensor | None] = [None] * num_layers
+        self.states: dict[tuple[int, int], torch.Tensor] = {}
+        self.state_grads: dict[tuple[int, int], torch.Tensor] = {}
 
     def buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is None:
@@ -60,10 +66,24 @@ class KVStack:
             self.v[layer] = like.new_zeros(shape)
         return self.k[layer], self.v[layer]
 
+    def conv_buffer(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """``[slots, C]``: a convolution's inputs by depth (``mixers/conv.py``)."""
+        if self.conv[layer] is None:
+            self.conv[layer] = like.new_zeros((self.slots, *like.shape[1:]))
+        return self.conv[layer]
+
+    def conv_grad_buffer(self, layer: int) -> torch.Tensor:
+        if self.dconv[layer] is None:
+            self.dconv[layer] = torch.zeros(self.grad_slots, *self.conv[layer].shape[1:], dtype=torch.float32,
+                                            device=self.conv[layer].device)
+        return self.dconv[layer]
+
     def release(self) -> None:
         """Drop every buffer (the walk is over)."""
         n = len(self.k)
         self.k, self.v, self.dk, self.dv = [None] * n, [None] * n, [None] * n, [None] * n
+        self.conv, self.dconv = [None] * n, [None] * n
+        self.states, self.state_grads = {}, {}
 
     def grad_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dk[layer] is None:

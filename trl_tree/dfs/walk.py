@@ -138,7 +138,7 @@ class DepthFirstWalk:
         meta = self.metas[u]
         meta.calls = 0
         # kept for the recompute of a forward with grad (consumed by its backward, layer by layer)
-        meta.kept = KeptAttention(self.parts.num_layers) if meta.keep_attention and torch.is_grad_enabled() else None
+        meta.kept = KeptAttention(self.parts.tree_calls) if meta.keep_attention and torch.is_grad_enabled() else None
         if self.parts.router is not None:
             self.parts.router_weights = self.unit_weights[u]
         return tree_forward(self.parts, meta.input_ids, meta)
