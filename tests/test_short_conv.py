@@ -129,38 +129,3 @@ def test_compiled_layers():
     model = tiny_model("lfm2")
     assert compile_layers(model, backend="aot_eager") > 0
     check_exact(model, FORESTS["short"], mode="dfs", chunk_size=2)  # the walk: its stack code stays eager
-
-
-#: hybrids whose mixers carry a recurrent state (gated DeltaNet, Mamba, Mamba-2): tiny configs
-RECURRENT_HYBRIDS = {
-    "FalconH1Config": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
-                           mamba_d_conv=4, mamba_chunk_size=16),
-    "BambaConfig": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
-                        mamba_chunk_size=16, attn_layer_indices=[1]),
-    "JambaConfig": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                        num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=4),
-    "NemotronHConfig": dict(),
-    "Qwen3NextConfig": dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-                            linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=16, head_dim=8),
-    "GraniteMoeHybridConfig": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
-                                   mamba_d_conv=4, mamba_chunk_size=16, num_local_experts=2, num_experts_per_tok=1,
-                                   layer_types=["mamba", "attention"]),
-}
-
-
-@pytest.mark.parametrize("config", sorted(RECURRENT_HYBRIDS))
-def test_recurrent_hybrids_are_refused_by_their_layer_type(config):
-    """Never a wrong number: a model whose mixer carries a recurrent state the tree does not hand
-    down yet is refused before any call, naming its layer type."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    if not hasattr(transformers, config):
-        pytest.skip(f"transformers {transformers.__version__} has no {config}")
-    cfg = getattr(transformers, config)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                        **RECURRENT_HYBRIDS[config])
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"has .*(linear_attention|hybrid|mamba).* layers; the tree engine"):
-        tree_logprobs(model, FORESTS["short"])

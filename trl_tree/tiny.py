@@ -28,6 +28,27 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # a hybrid: short convolutions (kernel 3) between softmax-attention layers
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
                             "conv_L_cache": 3, "conv_bias": True}),
+    # recurrent hybrids: gated DeltaNet in 3 of 4 layers (dense MLPs); Mamba-2 beside attention, MoE and
+    # MLP blocks (two groups, a scan chunk of 8 tokens, so nodes start mid-chunk)
+    "qwen3_next": ("Qwen3NextConfig", {"num_hidden_layers": 4, "head_dim": 8, "linear_num_value_heads": 4,
+                                       "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                       "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                       "linear_attention"],
+                                       "num_experts": 0, "mlp_only_layers": [0, 1, 2, 3],
+                                       # the delta rule's fp32 triangular solves amplify rounding at sharper weights
+                                       "initializer_range": 0.02}),
+    "nemotron_h": ("NemotronHConfig", {"num_hidden_layers": 4, "layers_block_type": ["mamba", "attention", "moe",
+                                                                                     "mamba"],
+                                       "head_dim": 8, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2,
+                                       "ssm_state_size": 8, "chunk_size": 8, "n_routed_experts": 4,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                       "moe_shared_expert_intermediate_size": 16}),
+    "bamba": ("BambaConfig", {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
+                              "mamba_chunk_size": 8, "attn_layer_indices": [1]}),
+    "granite_hybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
+                                                  "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
+                                                  "mamba_chunk_size": 8, "num_local_experts": 2,
+                                                  "num_experts_per_tok": 1}),
 }
 
 #: (hidden, intermediate, layers, heads, kv heads, vocab, max positions) of Qwen2.5 models

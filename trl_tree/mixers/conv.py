@@ -24,10 +24,10 @@ would change the numbers (and torch's checkpoint refuses it: another count of sa
 
 from __future__ import annotations
 
-
 import torch
 
 from ..attention.metadata import TreeAttentionMetadata
+
 
 @torch.compiler.disable
 def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:

@@ -40,6 +40,8 @@ def gated_deltanet(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
     query = query.reshape(n, -1, module.head_k_dim)
     key = key.reshape(n, -1, module.head_k_dim)
     value = value.reshape(n, -1, module.head_v_dim)
+    if module.num_v_heads > module.num_k_heads:  # as the layer does (older kernels take equal head counts)
+        query, key = (x.repeat_interleave(module.num_v_heads // module.num_k_heads, dim=1) for x in (query, key))
     beta = b[0].sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
     kernel = _kernel(module)

@@ -1,0 +1,157 @@
+"""Recurrent hybrids over the tree: gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H, Bamba,
+Granite-4 hybrid). Each node's scan starts from its parent's final state — in the packed call level
+by level, in the depth-first walk from the state its pushed ancestor left on the stack — so
+log-probs and gradients equal the untreed computation (fp32, CPU): deep and wide forests, the
+walk's chunk sizes and group budgets, scan chunks that nodes start in the middle of,
+checkpointing, LoRA and the GRPO, SFT and DPO trainers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_short_conv import FORESTS, WALKS, check_exact
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from trl_tree import tree_logprobs  # noqa: E402
+from trl_tree.mixers.scan import ZERO, Segments, _parents  # noqa: E402
+from trl_tree.tiny import tiny_model  # noqa: E402
+
+#: the two mixer kinds, each through a family whose tests cover every path; the other Mamba-2 families
+#: share the mixer's code and are checked on one forest
+FAMILIES = ("qwen3_next", "nemotron_h")
+
+
+@pytest.mark.parametrize("forest", sorted(FORESTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_tree(family, forest):
+    check_exact(tiny_model(family), FORESTS[forest])
+
+
+@pytest.mark.parametrize("family", ["bamba", "granite_hybrid"])
+def test_other_mamba2_families(family):
+    model = tiny_model(family)
+    check_exact(model, FORESTS["deep"])
+    check_exact(model, FORESTS["deep"], mode="dfs", chunk_size=4)
+
+
+@pytest.mark.parametrize("walk", sorted(set(WALKS) - {"chunk_1"}))  # chunk_2 cuts every node into the smallest units
+@pytest.mark.parametrize("family", FAMILIES)
+def test_walk(family, walk):
+    """A unit starts from the state its pushed ancestor left on the stack and hands that state's
+    gradient back to it; a pushed node's final state collects its whole subtree's gradient."""
+    check_exact(tiny_model(family), FORESTS["deep"], mode="dfs", **WALKS[walk])
+
+
+@pytest.mark.parametrize("scan_chunk", [1, 3, 16])
+def test_scan_chunks_across_nodes(scan_chunk):
+    """Mamba-2's chunked scan with chunks shorter than, across and longer than the nodes."""
+    model = tiny_model("nemotron_h", chunk_size=scan_chunk)
+    check_exact(model, FORESTS["deep"])
+    check_exact(model, FORESTS["wide"], mode="dfs", chunk_size=2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing(reentrant):
+    """HF's checkpointed recompute calls the mixer again in the backward: it finds the tree's metadata,
+    the same segments and the same stack states, and hands each state's gradient on once."""
+    model = tiny_model("qwen3_next")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    check_exact(model, FORESTS["deep"], mode="dfs", chunk_size=5)
+    if not reentrant:
+        check_exact(model, FORESTS["deep"])
+        check_exact(model, [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [9, 9, 9, 9, 9]])  # the padded batch: the model's own
+
+
+@pytest.mark.parametrize("family,targets", [("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]),
+                                            ("nemotron_h", ["in_proj", "q_proj"])])
+def test_lora_on_the_mixers(family, targets):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(family), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          lora_dropout=0.0, init_lora_weights=False))
+    check_exact(model, FORESTS["wide"])
+    check_exact(model, FORESTS["deep"], mode="dfs", chunk_size=5)
+
+
+#: trainer checkpoints: Qwen3-Next as released, hybrid and MoE with its load-balancing loss (CPU experts
+#: take no float64: compared in fp32, the whole update); Nemotron-H's Mamba-2, attention and MLP blocks
+#: in float64
+TRAINED = {
+    "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16, mlp_only_layers=[], router_aux_loss_coef=0.5),
+                   torch.float32),
+    "nemotron_h": (dict(layers_block_type=["mamba", "attention", "mlp", "mamba"]), torch.float64),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_grpo_update_matches_stock(tmp_path, family):
+    from test_stock_parity import ONE_UPDATE, compare
+    from trainer_harness import save_tiny_checkpoint
+
+    fields, dtype = TRAINED[family]
+    compare(save_tiny_checkpoint(tmp_path / family, family, **fields), ("packed", "dfs"), **ONE_UPDATE, dtype=dtype)
+
+
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_sft_and_dpo_updates_match_stock(tmp_path, family):
+    from sft_harness import assert_same_update, dataset, run, save_sft_checkpoint
+    from test_dpo_trainer import compare as dpo_compare
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_tree import TreeSFTConfig, TreeSFTTrainer
+
+    fields, dtype = TRAINED[family]
+    whole = dtype == torch.float32
+    checkpoint = save_sft_checkpoint(tmp_path / family, family=family, **fields)
+    start = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=dtype).named_parameters()}
+    stock, _ = run(SFTTrainer, SFTConfig, checkpoint, dataset("turns"), dtype=dtype)
+    for mode in ("packed", "dfs"):
+        tree, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns"), dtype=dtype, tree_mode=mode)
+        assert_same_update(stock, tree, start, whole=whole)
+        assert log[0]["tree/dedup_ratio"] > 1.0
+    dpo_compare(checkpoint, tree={"tree_mode": "dfs"}, dtype=dtype, whole=whole)
+
+
+def test_a_node_off_the_middle_of_another_is_refused():
+    """Segments hang off their parent's last row; anything else is not a radix tree of sequences."""
+    cu_q, cu_k = np.array([0, 4, 6]), np.array([0, 4, 8])  # node 1 (rows 4, 5) on the path 0, 1, 4, 5
+    with pytest.raises(ValueError, match="hangs off the middle"):
+        _parents(cu_q, cu_k, np.array([0, 1, 2, 3, 0, 1, 4, 5]), ZERO)
+    parent = _parents(cu_q, np.array([0, 4, 10]), np.array([0, 1, 2, 3, 0, 1, 2, 3, 4, 5]), ZERO)
+    assert parent.tolist() == [ZERO, 0]
+    seg = Segments.build(cu_q[:-1], np.diff(cu_q), parent, torch.device("cpu"))
+    assert [tuple(r.shape) for r in seg.rows] == [(1, 4), (1, 2)]
+
+
+#: hybrids whose mixers the tree does not run (Mamba-1, parallel attention + Mamba-2 layers): tiny configs
+REFUSED_HYBRIDS = {
+    "FalconH1Config": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+                           mamba_d_conv=4, mamba_chunk_size=16),
+    "JambaConfig": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                        num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=4),
+}
+
+
+@pytest.mark.parametrize("config", sorted(REFUSED_HYBRIDS))
+def test_other_hybrids_are_refused_naming_their_layers(config):
+    """Never a wrong number: a model whose mixer the tree does not run is refused before any call,
+    naming the layer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if not hasattr(transformers, config):
+        pytest.skip(f"transformers {transformers.__version__} has no {config}")
+    cfg = getattr(transformers, config)(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        **REFUSED_HYBRIDS[config])
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"has hybrid layers|JambaMambaMixer"):
+        tree_logprobs(model, FORESTS["short"])
