@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
+from ..tiny import SHAPED_FAMILIES
 
 
 def drop_graphs(model: torch.nn.Module) -> None:
@@ -147,8 +148,8 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
                                     fused_linear_cross_entropy=False)
 
 
-def bench_model(size: str, kernels: str = "hf") -> torch.nn.Module:
-    """A Qwen2.5-``size``-shaped model, random init on the GPU, bf16, gradient checkpointing on and
+def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.nn.Module:
+    """A Qwen2.5-``size``-shaped model (or the ``family`` of that shape, ``tiny.shaped_config``), random init on the GPU, bf16, gradient checkpointing on and
     TRL's fused LM head added (the padded baseline uses it; the tree engine calls the original
     forward), in train mode — how TRL trains it; ``kernels="liger"`` patches its layers
     (:func:`apply_kernels`)."""
@@ -161,7 +162,7 @@ def bench_model(size: str, kernels: str = "hf") -> torch.nn.Module:
         raise SystemExit("this benchmark needs a CUDA device")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(shaped_config(size), dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(shaped_config(size, family), dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
     apply_kernels(model, kernels)
     model.gradient_checkpointing_enable()
@@ -173,6 +174,9 @@ def bench_model(size: str, kernels: str = "hf") -> torch.nn.Module:
 def add_grpo_shape_args(parser) -> None:
     """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
     parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
+                        help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
+                             "DeltaNet in 3 of 4 layers, tiny.shaped_config)")
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--completion", type=int, default=512)
@@ -332,6 +336,9 @@ def offline_bench_parser(algo: str, modes: tuple[str, ...], doc: str, modes_help
     parser = argparse.ArgumentParser(prog=f"python -m trl_tree.bench.trainer --algo {algo}",
                                      description=doc.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
+                        help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
+                             "DeltaNet in 3 of 4 layers, tiny.shaped_config)")
     parser.add_argument("--shapes", default=None, help=f"comma-separated (default: all of workloads.{algo}_shapes)")
     parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated, of {modes}{modes_help}")
     parser.add_argument("--steps", type=int, default=5)

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, help="write per-kernel CUDA time tables (torch profiler) here")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
-    model = bench_model(args.size, args.kernels)
+    model = bench_model(args.size, args.kernels, args.family)
     config = model.config
 
     G, P, C = args.group, args.prompt, args.completion

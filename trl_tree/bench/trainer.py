@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..tiny import shaped_config
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
 
-    config = shaped_config(args.size)
+    config = shaped_config(args.size, args.family)
     tok = bench_tokenizer(config.vocab_size)
     rollout = BenchRollouts(config.vocab_size, args.prompt, args.completion, args.group, args.free_lengths,
                             agentic=args.workload == "W4")
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped (random init), "
+        "model": f"{'Qwen2.5' if args.family == 'qwen2' else 'Qwen3-Next (hybrid)'}-{args.size}-shaped (random init), "
                  f"{PRECISION_CHECKED if args.update_check else 'bf16'}, gradient checkpointing (TRL default)"
                  f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
         **({"update_check": UPDATE_CHECKED} if args.update_check else {}),
