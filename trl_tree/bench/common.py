@@ -149,7 +149,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
 
 
 def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.nn.Module:
-    """A Qwen2.5-``size``-shaped model (or the ``family`` of that shape, ``tiny.shaped_config``), random init on the GPU, bf16, gradient checkpointing on and
+    """A Qwen2.5-``size``-shaped model (or ``family`` at that shape, ``tiny.shaped_config``), random init on the GPU, bf16, gradient checkpointing on and
     TRL's fused LM head added (the padded baseline uses it; the tree engine calls the original
     forward), in train mode — how TRL trains it; ``kernels="liger"`` patches its layers
     (:func:`apply_kernels`)."""
@@ -162,7 +162,8 @@ def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.
         raise SystemExit("this benchmark needs a CUDA device")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(shaped_config(size, family), dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(shaped_config(size, family), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
     model.config.use_cache = False
     apply_kernels(model, kernels)
     model.gradient_checkpointing_enable()
