@@ -149,10 +149,10 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
 
 
 def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.nn.Module:
-    """A Qwen2.5-``size``-shaped model (or ``family`` at that shape, ``tiny.shaped_config``), random init on the GPU, bf16, gradient checkpointing on and
-    TRL's fused LM head added (the padded baseline uses it; the tree engine calls the original
-    forward), in train mode — how TRL trains it; ``kernels="liger"`` patches its layers
-    (:func:`apply_kernels`)."""
+    """A Qwen2.5-``size``-shaped model (or ``family`` at that shape, ``tiny.shaped_config``), random
+    init on the GPU, bf16, gradient checkpointing on and TRL's fused LM head added (the padded
+    baseline uses it; the tree engine calls the original forward), in train mode — how TRL trains
+    it; ``kernels="liger"`` patches its layers (:func:`apply_kernels`)."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
