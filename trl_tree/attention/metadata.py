@@ -146,7 +146,7 @@ class TreeAttentionMetadata:
         layout, dense = _split_choice(forest, backend, root_split, dense, dense_key)
         longs = upload([forest.subtree_end, forest.position_ids, forest.kv_index], torch.int64, device)
         ints = upload([forest.cu_seqlens_q, forest.cu_seqlens_k], torch.int32, device)
-        return cls(
+        meta = cls(
             backend=backend,
             num_tokens=forest.num_unique_tokens,
             max_depth=forest.max_depth,
@@ -160,6 +160,9 @@ class TreeAttentionMetadata:
             root_split=layout.to_device(device) if layout is not None else None,
             dense=dense,
         )
+        # the node layout on the host, for a recurrent mixer's segments (``mixers/scan.py``: no sync)
+        meta._cache["host_layout"] = (forest.cu_seqlens_q, forest.cu_seqlens_k, forest.kv_index)
+        return meta
 
     def rechosen(self, forest: PrefixForest, root_split: bool | None = None, dense: bool = False,
                  dense_key: tuple | None = None) -> TreeAttentionMetadata:
@@ -174,7 +177,8 @@ class TreeAttentionMetadata:
             split = self.root_split
         else:
             split = layout.to_device(self.subtree_end.device)
-        return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache={}, kept=None)
+        kept_host = {k: v for k, v in self._cache.items() if k == "host_layout"}  # layout, not a choice
+        return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache=kept_host, kept=None)
 
     def dense_mask(self, window: int | None = None) -> torch.Tensor:
         """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends), and with

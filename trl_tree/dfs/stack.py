@@ -222,6 +222,9 @@ class UnitAttentionMetadata:
                 prefix_cu_q=prefix_cu_q, prefix_cu_k=prefix_cu_k, subtree_end=subtree_end,
                 one_segment=len(layout["cu_seqlens_q"]) == 2 and own_only, **extra,
             ))
+            if not padded:  # the unit's node layout on the host, for a recurrent mixer's segments (no sync)
+                metas[-1]._conv["host_layout"] = (layout["cu_seqlens_q"], layout["cu_seqlens_k"],
+                                                  None if own_only else layout["kv_local"])
         return metas
 
     def dense_mask(self, window: int | None = None) -> torch.Tensor:

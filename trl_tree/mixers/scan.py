@@ -111,15 +111,26 @@ def _parents(cu_q: np.ndarray, cu_k: np.ndarray, path: np.ndarray | None, rootwa
     return parent
 
 
+def _host_layout(meta, path: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(cu_q, cu_k, path)`` of the call's nodes: kept on the host when the metadata was built (the
+    walk's units, a packed forest), else read back from the device (one sync per call)."""
+    cache = meta._cache if isinstance(meta, TreeAttentionMetadata) else meta._conv
+    host = cache.get("host_layout")
+    if host is None:
+        host = (meta.cu_seqlens_q.cpu().numpy(), meta.cu_seqlens_k.cpu().numpy(),
+                path.cpu().numpy() if path is not None else None)
+    cu_q, cu_k, nodes_path = host
+    return cu_q.astype(np.int64), cu_k.astype(np.int64), nodes_path
+
+
 def _packed_segments(meta: TreeAttentionMetadata) -> Segments:
-    cu_q, cu_k = meta.cu_seqlens_q.cpu().numpy().astype(np.int64), meta.cu_seqlens_k.cpu().numpy().astype(np.int64)
-    parent = _parents(cu_q, cu_k, meta.kv_index.cpu().numpy(), ZERO)
+    cu_q, cu_k, path = _host_layout(meta, meta.kv_index)
+    parent = _parents(cu_q, cu_k, path, ZERO)
     return Segments.build(cu_q[:-1], np.diff(cu_q), parent, meta.kv_index.device)
 
 
 def _unit_segments(meta) -> Segments:
-    cu_q, cu_k = meta.cu_seqlens_q.cpu().numpy().astype(np.int64), meta.cu_seqlens_k.cpu().numpy().astype(np.int64)
-    path = meta.kv_local.cpu().numpy() if meta.kv_local is not None else None
+    cu_q, cu_k, path = _host_layout(meta, meta.kv_local)
     parent = _parents(cu_q, cu_k, path, CARRIED if meta.depth else ZERO)
     if meta.pushed_tokens and (cu_q[1] != meta.pushed_tokens or parent[0] >= 0):
         raise ValueError(f"a pushed unit's first node must be its pushed node ({meta.pushed_tokens} tokens), "
