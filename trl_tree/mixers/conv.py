@@ -63,7 +63,8 @@ def tree_causal_conv(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             raise ValueError("a walk unit padded to buckets (CUDA graphs) does not run convolutions")
         sources, ancestors = _unit_sources(meta, layer, k, inputs)
     taps = weight[:, 0, :].flip(-1).t()  # [k, C]: row j weighs the ancestor j steps up (tap i: k - 1 - i back)
-    out = torch.einsum("ukc,kc->uc", sources.to(weight.dtype)[ancestors], taps)
+    gathered = sources.to(weight.dtype).index_select(0, ancestors.reshape(-1)).view(*ancestors.shape, -1)
+    out = torch.einsum("ukc,kc->uc", gathered, taps)  # index_select: its backward adds, indexing's sorts
     if bias is not None:
         out = out + bias
     return out

@@ -148,14 +148,20 @@ def scan_segments(seg: Segments, inputs: list[torch.Tensor], scan: Callable, car
     padded_inputs = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in inputs]
     pool = [zero[None], (carried if carried is not None else zero)[None]]
     outs, first = [], None
+    # index_select, not advanced indexing: its backward is an index_add, where indexing's sorts the indices
     for rows, real, sources in zip(seg.rows, seg.real, seg.sources):
-        initial = torch.cat(pool)[sources]
-        out, final = scan(*(x[rows] for x in padded_inputs), initial)
-        outs.append(out.flatten(0, 1)[real])
+        initial = torch.cat(pool).index_select(0, sources)
+        out, final = scan(*(_rows(x, rows) for x in padded_inputs), initial)
+        outs.append(out.flatten(0, 1).index_select(0, real))
         pool.append(final)
         if first is None:
             first = final[0]
-    return torch.cat(outs)[seg.order], first
+    return torch.cat(outs).index_select(0, seg.order), first
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` for a 2-D index ``rows``."""
+    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
 
 
 # --------------------------------------------------------------------------- the walk's state stack
