@@ -131,8 +131,13 @@ def test_a_node_off_the_middle_of_another_is_refused():
     assert [tuple(r.shape) for r in seg.rows] == [(1, 4), (1, 2)]
 
 
-#: hybrids whose mixers the tree does not run (Mamba-1, parallel attention + Mamba-2 layers): tiny configs
+#: models whose mixers the tree does not run (Mamba-1, parallel attention + Mamba-2 layers, attention-free
+#: Mamba-2 whose layers never see the call's keyword arguments): tiny configs
 REFUSED_HYBRIDS = {
+    "Mamba2Config": dict(num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8, chunk_size=8),
+    "MambaConfig": dict(state_size=8),
+    "Zamba2Config": dict(mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16, mamba_ngroups=1,
+                         layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1]),
     "FalconH1Config": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
                            mamba_d_conv=4, mamba_chunk_size=16),
     "JambaConfig": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
@@ -153,5 +158,7 @@ def test_other_hybrids_are_refused_naming_their_layers(config):
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                         **REFUSED_HYBRIDS[config])
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"has hybrid layers|JambaMambaMixer"):
+    refusal = (r"has hybrid layers|cannot run exactly \(layer 0 \(linear_attention\): \w+Mixer"
+               r"|0 of its \d+ attention layers and mixers ran")  # the last: a version without layer types
+    with pytest.raises(ValueError, match=refusal):
         tree_logprobs(model, FORESTS["short"])

@@ -162,14 +162,12 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
-    mixers = 0
-    if any(t in MIXER_LAYER_TYPES for t in layer_types):  # hybrids: exact over the tree (trl_tree.mixers)
-        unknown = unknown_mixers(backbone, layer_types)
-        if unknown:
-            raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "
-                             f"({'; '.join(unknown)}); it runs softmax attention, short convolutions (LFM2), "
-                             "gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid)")
-        mixers = install_tree_mixers(backbone)
+    unknown = unknown_mixers(backbone, layer_types) if any(t in MIXER_LAYER_TYPES for t in layer_types) else []
+    if unknown:
+        raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "
+                         f"({'; '.join(unknown)}); it runs softmax attention, short convolutions (LFM2), "
+                         "gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid)")
+    mixers = install_tree_mixers(backbone)  # hybrids: exact over the tree (trl_tree.mixers)
     allowed = SUPPORTED_LAYER_TYPES + MIXER_LAYER_TYPES + TOKENWISE_LAYER_TYPES
     unsupported = sorted({t for t in layer_types if t not in allowed})
     if unsupported:

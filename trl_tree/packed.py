@@ -244,7 +244,8 @@ def tree_metadata(parts: ModelParts, forest: PrefixForest, backend: str, graphed
     call takes cuDNN only for dense shapes it has seen before, ``partial.dense_shape_seen``).
     ``rechoose``: this forest's metadata already uploaded (with other choices): share its arrays."""
     config = parts.causal_lm.config
-    dense_key = None if graphed else (parts.head_dim, str(parts.compute_dtype), config.num_attention_heads,
+    dense_key = None if graphed else (parts.head_dim, str(parts.compute_dtype),
+                                      getattr(config, "num_attention_heads", None),
                                       getattr(config, "num_key_value_heads", None))
     choices = dict(root_split=LAYOUT.root_split, dense=dense_blocks(parts, backend, graphed), dense_key=dense_key)
     if rechoose is not None:

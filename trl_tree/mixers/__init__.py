@@ -2,7 +2,7 @@
 
 Hybrid models mix softmax-attention layers with layers whose token mixer is a short causal
 convolution (LFM2), a gated DeltaNet (Qwen3-Next) or a Mamba-2 selective state space (Nemotron-H,
-Bamba, Granite-4 hybrid, Mamba-2). Every one of them is causal along a sequence, and a token's
+Bamba, Granite-4 hybrid). Every one of them is causal along a sequence, and a token's
 output depends only on its own root path: a convolution reads its ``k - 1`` nearest ancestors
 (``conv.py``); a recurrence reads the state its sequence had reached at the token's parent, which
 is the same for every sequence through the node (``scan.py``). So the tree computes each unique
@@ -41,7 +41,6 @@ TREE_MIXERS = {
     "NemotronHMamba2Mixer": mamba2_mixer,
     "BambaMixer": mamba2_mixer,
     "GraniteMoeHybridMambaLayer": mamba2_mixer,
-    "Mamba2Mixer": mamba2_mixer,
 }
 
 #: ``config.layer_types`` entries whose layer holds a sequence mixer instead of softmax attention

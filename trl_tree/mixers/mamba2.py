@@ -1,6 +1,8 @@
-"""Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid, Mamba-2) over a prefix tree.
+"""Mamba-2 mixers of hybrids (Nemotron-H, Bamba, Granite-4 hybrid) over a prefix tree.
 
-transformers' Mamba-2 mixers share one forward (they differ in their configs' field names): the
+transformers' Mamba-2 mixers share one forward (they differ in their configs' field names; the
+attention-free ``Mamba2ForCausalLM`` does not hand its layers the call's keyword arguments, so the
+engine refuses it after its first call, as any model whose layers bypass the tree): the
 layer's own pieces, in its order: ``in_proj`` into gate, ``xBC`` and ``dt``; the causal convolution
 over ``xBC`` (each token over its root path, ``conv.py``) and its activation; the selective scan
 through transformers' own chunked SSD kernel (``mamba2_chunk_scan``, or mamba-ssm's
