@@ -181,6 +181,13 @@ class TreeCallsMixin:
 
         config = self.model.config.get_text_config()
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if not num_experts:  # e.g. a dense Qwen3-Next (num_experts=0) keeps its default coefficient
+            declared = getattr(config, "num_experts", getattr(config, "num_local_experts", None))
+            raise ValueError(
+                f"{type(self.model).__name__} asks for the MoE load-balancing loss (router_aux_loss_coef="
+                f"{getattr(self, 'router_aux_loss_coef', None)}) but has no experts (num_experts={declared}); there "
+                "is nothing to balance: set router_aux_loss_coef=0.0 in the trainer's config (stock TRL fails on "
+                "this model too, inside the model's load_balancing_loss_func)")
         return RouterAux(num_experts, config.num_experts_per_tok)
 
     def _graphs_by_hand(self) -> bool:
