@@ -147,7 +147,7 @@ def test_non_softmax_layers_are_refused():
     model = tiny_model("qwen2")
     model.config.layer_types = ["full_attention", "linear_attention"]
     assert isinstance(model.config, Qwen2Config)
-    with pytest.raises(ValueError, match="linear_attention layers"):
+    with pytest.raises(ValueError, match=r"mixer layers the tree engine cannot run exactly \(layer 1 \(linear_attention\)"):
         tree_logprobs(model, [[1, 2, 3]])
 
 

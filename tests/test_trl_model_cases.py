@@ -1,7 +1,7 @@
 """TRL's own ``test_train`` cases for the model families issue 48 names, with the import swapped.
 
 TRL's SFT, DPO and GRPO test files train tiny Hub checkpoints of Qwen3-MoE, GPT-OSS, Nemotron-H
-and LFM2 (and we add Qwen3-Next) with the trainer's defaults and assert that a loss is logged,
+and LFM2 (and we add Qwen3-Next, Falcon-H1 and Jamba) with the trainer's defaults and assert that a loss is logged,
 that MoE models log their load-balancing loss, and that every parameter moved. Here the same
 families are built offline (``trl_tree.tiny``), trained by the tree trainers with TRL's defaults
 (gradient checkpointing on, ``tree_mode`` auto), and held to the same assertions. That the tree's
@@ -38,6 +38,9 @@ FAMILIES = {
     "lfm2": dict(),
     "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16, mlp_only_layers=[], router_aux_loss_coef=0.01),
+    # beyond TRL's list: the other hybrids the tree runs
+    "falcon_h1": dict(),
+    "jamba": dict(router_aux_loss_coef=0.01),
 }
 #: TRL's defaults but for the CPU, a short run and a rate at which two steps move every parameter
 ARGS = dict(report_to="none", use_cpu=True, bf16=False, max_steps=2, logging_steps=1, save_strategy="no",

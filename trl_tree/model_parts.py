@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .mixers import MIXER_LAYER_TYPES, TOKENWISE_LAYER_TYPES, install_tree_mixers, unknown_mixers
+from .mixers import (
+    MIXER_LAYER_TYPES,
+    PARALLEL_LAYER_TYPES,
+    TOKENWISE_LAYER_TYPES,
+    install_tree_mixers,
+    unknown_mixers,
+)
 
 #: layer types whose attention the tree computes exactly (sliding windows only while no sequence
 #: is longer than the window, checked per call by the attention function)
@@ -162,22 +168,25 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     backbone = causal_lm.base_model
     if backbone is causal_lm:
         raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
-    unknown = unknown_mixers(backbone, layer_types) if any(t in MIXER_LAYER_TYPES for t in layer_types) else []
+    declares_mixers = any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)
+    unknown = unknown_mixers(backbone, layer_types) if declares_mixers else []
     if unknown:
         raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "
                          f"({'; '.join(unknown)}); it runs softmax attention, short convolutions (LFM2), "
-                         "gated DeltaNet (Qwen3-Next) and Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid)")
+                         "gated DeltaNet (Qwen3-Next), Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1) "
+                         "and Mamba (Jamba)")
     mixers = install_tree_mixers(backbone)  # hybrids: exact over the tree (trl_tree.mixers)
-    allowed = SUPPORTED_LAYER_TYPES + MIXER_LAYER_TYPES + TOKENWISE_LAYER_TYPES
+    allowed = SUPPORTED_LAYER_TYPES + MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES + TOKENWISE_LAYER_TYPES
     unsupported = sorted({t for t in layer_types if t not in allowed})
     if unsupported:
         raise ValueError(
             f"{type(causal_lm).__name__} has {', '.join(unsupported)} layers; the tree engine computes only "
             "full (or short-enough sliding-window) softmax attention, short convolutions, gated DeltaNet and "
-            "Mamba-2 mixers exactly"
+            "Mamba mixers exactly"
         )
     num_layers = int(text_config.num_hidden_layers)
-    attention = sum(t in SUPPORTED_LAYER_TYPES for t in layer_types) if layer_types else num_layers
+    attention = (sum(t in SUPPORTED_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types) if layer_types
+                 else num_layers)
     if hasattr(lm_head, "base_layer"):  # a PEFT tuner layer (LoRA, IA3, ...) wrapped around the head
         raise ValueError(
             f"the LM head carries a PEFT adapter ({type(lm_head).__name__}: 'lm_head' in target_modules); the tree "

@@ -45,6 +45,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                        "moe_shared_expert_intermediate_size": 16}),
     "bamba": ("BambaConfig", {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
                               "mamba_chunk_size": 8, "attn_layer_indices": [1]}),
+    # attention and Mamba-2 side by side in every layer, with Falcon-H1's multipliers
+    "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_n_groups": 1,
+                                     "mamba_d_state": 8, "mamba_chunk_size": 8}),
+    # Mamba-1 (a selective scan per channel) and attention, experts in every other layer
+    "jamba": ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                              "expert_layer_offset": 1, "num_experts": 2, "mamba_d_state": 8, "mamba_dt_rank": 4,
+                              # its fp32 step-by-step scan rounds at 1e-5 of a log-prob at sharper weights
+                              "initializer_range": 0.05}),
     "granite_hybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
                                                   "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
                                                   "mamba_chunk_size": 8, "num_local_experts": 2,

@@ -1,8 +1,9 @@
-"""Mamba-2 mixers of hybrids (Nemotron-H, Bamba, Granite-4 hybrid) over a prefix tree.
+"""Mamba-2 mixers of hybrids (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1) over a prefix tree.
 
 transformers' Mamba-2 mixers share one forward (they differ in their configs' field names; the
 attention-free ``Mamba2ForCausalLM`` does not hand its layers the call's keyword arguments, so the
-engine refuses it after its first call, as any model whose layers bypass the tree): the
+engine refuses it; Falcon-H1's adds multipliers around the input projection and may leave out the
+gated norm): the
 layer's own pieces, in its order: ``in_proj`` into gate, ``xBC`` and ``dt``; the causal convolution
 over ``xBC`` (each token over its root path, ``conv.py``) and its activation; the selective scan
 through transformers' own chunked SSD kernel (``mamba2_chunk_scan``, or mamba-ssm's
@@ -41,7 +42,12 @@ def mamba2_mixer(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
     """The mixer on the tree call's row ``hidden_states [1, n, H]``."""
     n, dtype = hidden_states.shape[1], hidden_states.dtype
     heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
-    gate, xbc, dt = module.in_proj(hidden_states)[0].split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    if hasattr(module, "mup_vector"):  # Falcon-H1: multipliers around the input projection
+        hidden_states = hidden_states * module.ssm_in_multiplier
+    projected = module.in_proj(hidden_states)
+    if hasattr(module, "mup_vector"):
+        projected = projected * module.mup_vector
+    gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, heads], dim=-1)
     conv = tree_causal_conv(xbc, module.conv1d.weight, module.conv1d.bias, meta, module.layer_idx)
     xbc = module.act(conv).to(xbc.dtype)
     x, b, c = torch.split(xbc, [module.intermediate_size, groups * state, groups * state], dim=-1)
@@ -59,6 +65,9 @@ def mamba2_mixer(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
                                [x.reshape(n, heads, module.head_dim), dt, b.reshape(n, groups, state),
                                 c.reshape(n, groups, state)],
                                scan, carried_state(meta, module.layer_idx, x), zero)
-    scanned = module.norm(out.reshape(1, n, -1), gate.unsqueeze(0))
+    if getattr(module, "mamba_rms_norm", True):
+        scanned = module.norm(out.reshape(1, n, -1), gate.unsqueeze(0))
+    else:  # Falcon-H1 without its gated norm: the gate alone
+        scanned = out.reshape(1, n, -1) * F.silu(gate.unsqueeze(0))
     output = module.out_proj(scanned.to(dtype))
     return hand_on(meta, module.layer_idx, output, final)
