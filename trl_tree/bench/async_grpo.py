@@ -45,6 +45,7 @@ from .common import (
     offline_bench_parser,
     process_device,
     release_memory,
+    shaped_name,
 )
 from .trie_packer import install_varlen_stand_in
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the async trainer benchmark times a GPU")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     install_varlen_stand_in()
-    config = shaped_config(args.size)
+    config = shaped_config(args.size, args.family)
     groups = args.groups or args.steps + 4
     streams = async_streams(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None, groups)
     results = {}
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[mode]["speedup"] = round(row[mode]["tokens_per_s"] / stock, 3)
         results[stream.name] = row
     dump(args.out, {"environment": environment(), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped policy (random init), bf16, gradient checkpointing, SGD",
+        "model": f"{shaped_name(args.size, args.family)} policy (random init), bf16, gradient checkpointing, SGD",
         "stock_attention": "TRL 1.16 async GRPO packing; PyTorch FlashAttention varlen (FA2) standing in for the hub "
                            "FA3 kernel (not installable here)",
         "timed": "training_step per optimizer step (one micro-batch; forward, loss, backward; no optimizer), "

@@ -172,6 +172,11 @@ def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.
     return model
 
 
+def shaped_name(size: str, family: str = "qwen2") -> str:
+    """How a result file names ``tiny.shaped_config(size, family)``."""
+    return f"{'Qwen2.5' if family == 'qwen2' else 'Qwen3-Next (hybrid)'}-{size}-shaped"
+
+
 def add_grpo_shape_args(parser) -> None:
     """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
     parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))

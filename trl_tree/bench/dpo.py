@@ -28,6 +28,7 @@ from .common import (
     offline_bench_parser,
     process_device,
     release_memory,
+    shaped_name,
     train_and_time,
 )
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the DPO trainer benchmark times a GPU")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    config = shaped_config(args.size)
+    config = shaped_config(args.size, args.family)
     shapes = dpo_shapes(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None)
     results = {}
     for name, (description, rows) in shapes.items():
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = row
     print(results)
     dump(args.out, {"environment": environment(), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped policy and reference (random init), bf16, gradient checkpointing, SGD",
+        "model": f"{shaped_name(args.size, args.family)} policy and reference (random init), bf16, gradient "
+                 "checkpointing, SGD",
         "timed": "Trainer.training_step (reference forward, policy forward, loss, backward; no optimizer), median "
                  "after the first step", "micro_batch": "all pairs of a shape"}, "results": results})
     return 0

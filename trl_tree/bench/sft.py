@@ -31,6 +31,7 @@ from .common import (
     offline_bench_parser,
     process_device,
     release_memory,
+    shaped_name,
     train_and_time,
 )
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the SFT trainer benchmark times a GPU")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    config = shaped_config(args.size)
+    config = shaped_config(args.size, args.family)
     shapes = sft_shapes(config.vocab_size, tuple(args.shapes.split(",")) if args.shapes else None)
     results = {}
     for shape in shapes:
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         results[shape.name] = row
     print(results)
     dump(args.out, {"environment": environment(), "workload": {
-        "model": f"Qwen2.5-{args.size}-shaped (random init), bf16, gradient checkpointing (TRL's default), SGD",
+        "model": f"{shaped_name(args.size, args.family)} (random init), bf16, gradient checkpointing (TRL's "
+                 "default), SGD",
         "timed": "Trainer.training_step (forward, loss, backward; no optimizer), median after the first step",
         "micro_batch": "all samples of a shape (stock_packed: one bfd-packed row of them)"}, "results": results})
     return 0

@@ -49,7 +49,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..dfs.graphs import unit_graph_stats
-from .common import add_grpo_shape_args, add_kernels_arg, bench_tokenizer, dump, environment
+from .common import add_grpo_shape_args, add_kernels_arg, bench_tokenizer, dump, environment, shaped_name
 
 #: what ``--update-check`` runs and compares (recorded with its results)
 PRECISION_CHECKED = "fp32 weights under bf16 autocast (mixed precision; +fp32 modes: fp32 throughout)"
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(results)
     dump(args.out, {"environment": environment(args.kernels), "workload": {
-        "model": f"{'Qwen2.5' if args.family == 'qwen2' else 'Qwen3-Next (hybrid)'}-{args.size}-shaped (random init), "
+        "model": f"{shaped_name(args.size, args.family)} (random init), "
                  f"{PRECISION_CHECKED if args.update_check else 'bf16'}, gradient checkpointing (TRL default)"
                  f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
         **({"update_check": UPDATE_CHECKED} if args.update_check else {}),
