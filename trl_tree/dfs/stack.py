@@ -157,7 +157,8 @@ class UnitAttentionMetadata:
     pairs: tuple | None = field(default=None, repr=False)  # (own, prefix) kernel pairs, chosen at the first layer
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _windowed: dict = field(default_factory=dict, repr=False)  # window -> windowed_paths
-    _conv: dict = field(default_factory=dict, repr=False)  # (kernel, low) -> a short convolution's sources
+    #: the mixers' tables (``trl_tree.mixers``): convolution sources by (kernel, low), scan segments, host layout
+    _conv: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build_all(cls, forest: PrefixForest, units: list[Unit], stack: KVStack, backend: str,

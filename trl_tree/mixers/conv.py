@@ -79,16 +79,16 @@ def lfm2_short_conv(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _unit_sources(meta, layer: int, k: int, bx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_sources(meta, layer: int, k: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The unit's convolution sources and their table (:func:`unit_ancestors`), its inputs written
     into the layer's stack slots. Eager under compiled layers (``trl_tree.compile``): it reads and
     writes the walk's Python-side stack, which a compiled graph would freeze."""
     stack, depth, n = meta.stack, meta.depth, meta.num_tokens
-    buf = stack.conv_buffer(layer, bx)  # [slots, C]: the path's inputs by depth, then the unit's own
-    buf[depth : depth + n] = bx.detach()
+    buf = stack.conv_buffer(layer, inputs)  # [slots, C]: the path's inputs by depth, then the unit's own
+    buf[depth : depth + n] = inputs.detach()
     low = max(0, depth - (k - 1))
     grads = stack.conv_grad_buffer(layer) if torch.is_grad_enabled() else None
-    sources = _StackedInputs.apply(bx, buf, grads, low, depth, meta.pushed_tokens)
+    sources = _StackedInputs.apply(inputs, buf, grads, low, depth, meta.pushed_tokens)
     return torch.cat([sources, sources.new_zeros(1, sources.shape[-1])]), unit_ancestors(meta, k, low)
 
 
@@ -98,9 +98,9 @@ class _StackedInputs(torch.autograd.Function):
     unit's pushed rows the gradient their descendants left in their slots, emptying them."""
 
     @staticmethod
-    def forward(ctx, bx, buf, grads, low: int, depth: int, pushed: int):
+    def forward(ctx, inputs, buf, grads, low: int, depth: int, pushed: int):
         ctx.grads, ctx.low, ctx.depth, ctx.pushed = grads, low, depth, pushed
-        return torch.cat([buf[low:depth], bx])
+        return torch.cat([buf[low:depth], inputs])
 
     @staticmethod
     def backward(ctx, grad):
