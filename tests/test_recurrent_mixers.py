@@ -163,3 +163,16 @@ def test_other_hybrids_are_refused_naming_their_layers(config):
                r"|0 of its \d+ attention layers and mixers ran")  # the last: a version without layer types
     with pytest.raises(ValueError, match=refusal):
         tree_logprobs(model, FORESTS["short"])
+
+
+def test_a_transformers_without_the_layers_kernel_is_refused_at_validation(monkeypatch):
+    """The tree calls the scan kernel of the layer's own module; where that transformers has none, the
+    model is refused when validated (a trainer's construction), not at its first step."""
+    import sys
+
+    from trl_tree.model_parts import model_parts
+
+    model = tiny_model("nemotron_h")
+    monkeypatch.delattr(sys.modules[type(model.model.layers[0].mixer).__module__], "mamba2_chunk_scan")
+    with pytest.raises(ValueError, match="NemotronHMamba2Mixer of transformers .* exposes no mamba2_chunk_scan"):
+        model_parts(model)

@@ -67,7 +67,7 @@ class ModelParts:
     #: each one's tensor to its list; empty: none asked
     head_outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: sequence mixers other than softmax attention (``trl_tree.mixers``: short convolutions, gated
-    #: DeltaNet, Mamba-2): their calls run eagerly (no CUDA graphs)
+    #: DeltaNet, Mamba-2, Mamba-1): their calls run eagerly (no CUDA graphs)
     mixer_layers: int = 0
     #: tree calls one forward serves (each attention and each mixer counts one): checked after a
     #: forward, and how a checkpointed recompute is told from the forward (``attention/kept.py``)

@@ -30,10 +30,12 @@ from contextvars import ContextVar
 import torch
 
 from ..attention.metadata import TREE_KWARG, DenseCausalBatch
+from . import deltanet, mamba2
 from .conv import lfm2_short_conv
 from .deltanet import gated_deltanet
 from .mamba1 import jamba_mamba
 from .mamba2 import mamba2_mixer
+from .scan import model_kernel
 
 #: mixer class name -> its tree form ``(module, hidden_states [1, n, H], meta) -> [1, n, H]``
 TREE_MIXERS = {
@@ -46,6 +48,8 @@ TREE_MIXERS = {
     "FalconH1Mixer": mamba2_mixer,
     "JambaMambaMixer": jamba_mamba,
 }
+#: tree form -> the transformers kernel it calls from the layer's module (checked at installation)
+KERNELS = {gated_deltanet: deltanet.KERNEL, mamba2_mixer: mamba2.KERNEL}
 
 #: ``config.layer_types`` entries whose layer holds a sequence mixer instead of softmax attention
 MIXER_LAYER_TYPES = ("conv", "linear_attention", "mamba")
@@ -79,12 +83,17 @@ def unknown_mixers(backbone: torch.nn.Module, layer_types) -> list[str]:
 
 def install_tree_mixers(backbone: torch.nn.Module) -> int:
     """Wrap, once, every mixer of ``backbone`` and the decoder layer holding it (see the module
-    docstring); returns how many mixers the model has. Later calls (every engine call validates
-    its model) read the count kept on the backbone instead of walking its modules again."""
+    docstring), after finding their kernels; returns how many mixers the model has. Later calls
+    (every engine call validates its model) read the count kept on the backbone instead of walking
+    its modules again."""
     installed = getattr(backbone, "_trl_tree_mixers", None)
     if installed is not None:
         return installed
     mixers = tree_mixers(backbone)
+    for mixer in mixers:  # a transformers without the layer's kernel: refused before any call
+        form = TREE_MIXERS[type(mixer).__name__]
+        if form in KERNELS:
+            model_kernel(mixer, KERNELS[form])
     held = {id(m) for m in mixers}
     for layer in backbone.modules():
         if any(id(m) in held for m in layer.children()):

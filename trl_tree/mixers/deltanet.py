@@ -13,19 +13,15 @@ Padding that leaves the state alone: a padded row has ``k = 0`` (its L2 norm sta
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .conv import tree_causal_conv
-from .scan import carried_state, hand_on, scan_segments, segments_of
+from .scan import carried_state, hand_on, model_kernel, scan_segments, segments_of
 
-
-def _kernel(module):
-    """The model's own chunked gated-delta-rule function (its module's, as the layer calls it)."""
-    return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+#: transformers' chunked gated delta rule, in the layer's own module
+KERNEL = "torch_chunk_gated_delta_rule"
 
 
 def gated_deltanet(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
@@ -44,7 +40,7 @@ def gated_deltanet(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
         query, key = (x.repeat_interleave(module.num_v_heads // module.num_k_heads, dim=1) for x in (query, key))
     beta = b[0].sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
-    kernel = _kernel(module)
+    kernel = model_kernel(module, KERNEL)
 
     def scan(q, k, v, g_, beta_, initial):
         return kernel(q, k, v, g=g_, beta=beta_, initial_state=initial, output_final_state=True,

@@ -17,35 +17,23 @@ the layer's limits) before padding, so a padded row has ``dt = 0`` — no decay,
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
 from .conv import tree_causal_conv
-from .scan import carried_state, hand_on, scan_segments, segments_of
+from .scan import carried_state, hand_on, model_kernel, scan_segments, segments_of
 
-
-def _kernel(module):
-    """The model's own chunked scan function (its module's, as the layer calls it)."""
-    kernel = getattr(sys.modules[type(module).__module__], "mamba2_chunk_scan", None)
-    if kernel is None:
-        import transformers
-
-        raise ValueError(f"{type(module).__name__} of transformers {transformers.__version__} exposes no "
-                         "mamba2_chunk_scan (a scan from a given state): the tree runs Mamba-2 layers with "
-                         "transformers' own kernel, from the versions that have it")
-    return kernel
+#: transformers' chunked SSD scan, in the layer's own module
+KERNEL = "mamba2_chunk_scan"
 
 
 def mamba2_mixer(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
     """The mixer on the tree call's row ``hidden_states [1, n, H]``."""
     n, dtype = hidden_states.shape[1], hidden_states.dtype
     heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
-    if hasattr(module, "mup_vector"):  # Falcon-H1: multipliers around the input projection
-        hidden_states = hidden_states * module.ssm_in_multiplier
-    projected = module.in_proj(hidden_states)
-    if hasattr(module, "mup_vector"):
+    falcon = hasattr(module, "mup_vector")  # Falcon-H1: multipliers around the input projection
+    projected = module.in_proj(hidden_states * module.ssm_in_multiplier if falcon else hidden_states)
+    if falcon:
         projected = projected * module.mup_vector
     gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, heads], dim=-1)
     conv = tree_causal_conv(xbc, module.conv1d.weight, module.conv1d.bias, meta, module.layer_idx)
@@ -54,7 +42,7 @@ def mamba2_mixer(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
     low, high = module.time_step_limit
     dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high)
     a = -torch.exp(module.A_log.float())
-    kernel = _kernel(module)
+    kernel = model_kernel(module, KERNEL)
 
     def scan(x_, dt_, b_, c_, initial):
         return kernel(x_, dt_, a, b_, c_, chunk_size=module.chunk_size, D=module.D, initial_states=initial,

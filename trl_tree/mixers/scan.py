@@ -1,5 +1,5 @@
-"""Recurrent scans (gated DeltaNet, Mamba-2) over a prefix tree: each node starts from its parent's
-final state.
+"""Recurrent scans (gated DeltaNet, Mamba-2, Mamba-1) over a prefix tree: each node starts from its
+parent's final state.
 
 Why it is exact: a recurrent mixer's state after a token is a function of the token's root path
 alone, so the state at the end of a node is the same for every sequence through it and is
@@ -25,6 +25,7 @@ when it is popped, takes the gradient its subtree left there into its own backwa
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +46,6 @@ class Segments:
     real: list[torch.Tensor]  # per level: flat positions of the real rows in [B * L]
     sources: list[torch.Tensor]  # per level, per segment: its initial state's place in the pool (see scan)
     order: torch.Tensor  # the levels' real rows, concatenated, put back in call order
-    num_rows: int
 
     @classmethod
     def build(cls, starts: np.ndarray, lengths: np.ndarray, parent: np.ndarray, device: torch.device) -> Segments:
@@ -79,14 +79,32 @@ class Segments:
         if sizes:
             order[np.concatenate(sizes)] = np.arange(num_rows)
         tensors = upload(arrays + [order], torch.int64, device)
-        return cls(rows=tensors[0:-1:3], real=tensors[1:-1:3], sources=tensors[2:-1:3], order=tensors[-1],
-                   num_rows=num_rows)
+        return cls(rows=tensors[0:-1:3], real=tensors[1:-1:3], sources=tensors[2:-1:3], order=tensors[-1])
+
+
+def model_kernel(module, name: str):
+    """The function ``name`` of the module that defines ``module``'s class — the scan kernel as the
+    layer calls it (transformers routes it to flash-linear-attention or mamba-ssm where installed);
+    a clear error where this transformers has none."""
+    kernel = getattr(sys.modules[type(module).__module__], name, None)
+    if kernel is None:
+        import transformers
+
+        raise ValueError(f"{type(module).__name__} of transformers {transformers.__version__} exposes no {name} (a "
+                         "scan from a given state): the tree runs the layer with transformers' own kernel, from the "
+                         "versions that have it")
+    return kernel
+
+
+def _call_cache(meta) -> dict:
+    """Where a tree call's metadata keeps the mixers' tables (packed forest or walk unit)."""
+    return meta._cache if isinstance(meta, TreeAttentionMetadata) else meta._conv
 
 
 def segments_of(meta) -> Segments:
     """The segments of a tree call (built once per call's metadata, on the host, one upload): the
     packed forest's nodes, or a walk unit's nodes below its stack."""
-    cache = meta._cache if isinstance(meta, TreeAttentionMetadata) else meta._conv
+    cache = _call_cache(meta)
     seg = cache.get("segments")
     if seg is None:
         seg = _packed_segments(meta) if isinstance(meta, TreeAttentionMetadata) else _unit_segments(meta)
@@ -114,8 +132,7 @@ def _parents(cu_q: np.ndarray, cu_k: np.ndarray, path: np.ndarray | None, rootwa
 def _host_layout(meta, path: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(cu_q, cu_k, path)`` of the call's nodes: kept on the host when the metadata was built (the
     walk's units, a packed forest), else read back from the device (one sync per call)."""
-    cache = meta._cache if isinstance(meta, TreeAttentionMetadata) else meta._conv
-    host = cache.get("host_layout")
+    host = _call_cache(meta).get("host_layout")
     if host is None:
         host = (meta.cu_seqlens_q.cpu().numpy(), meta.cu_seqlens_k.cpu().numpy(),
                 path.cpu().numpy() if path is not None else None)
@@ -203,8 +220,8 @@ class _CarriedState(torch.autograd.Function):
         grads = ctx.stack.state_grads
         if ctx.key in grads:
             grads[ctx.key] += grad.float()
-        else:
-            grads[ctx.key] = grad.float()
+        else:  # a copy: later units add into it in place, and autograd may still hold ``grad``
+            grads[ctx.key] = grad.to(torch.float32, copy=True)
         return None, None, None, None
 
 
