@@ -95,13 +95,12 @@ def test_grpo(checkpoint):
 def test_a_load_balancing_loss_without_experts_is_refused(tmp_path):
     """A dense Qwen3-Next keeps its config's default ``router_aux_loss_coef``: TRL then asks the model
     for router logits it does not have (and fails inside ``load_balancing_loss_func``); the tree says
-    what to set."""
+    what to set, at construction."""
     path = save_sft_checkpoint(tmp_path / "tiny", family="qwen3_next")
     args = TreeSFTConfig(output_dir=str(tmp_path / "sft"), **ARGS)
-    trainer = TreeSFTTrainer(model=path, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
-                             processing_class=sft_tokenizer())
     with pytest.raises(ValueError, match=r"has no experts \(num_experts=0\).*set router_aux_loss_coef=0.0"):
-        trainer.train()
+        TreeSFTTrainer(model=path, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
+                       processing_class=sft_tokenizer())
     trainer = TreeSFTTrainer(model=path, args=TreeSFTConfig(output_dir=str(tmp_path / "sft2"), **ARGS,
                                                             router_aux_loss_coef=0.0),
                              train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=sft_tokenizer())

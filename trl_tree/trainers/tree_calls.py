@@ -62,6 +62,8 @@ class TreeCallsMixin:
         self._refuse_prompt_learning(self.model)
         parts = model_parts(self.model)  # clear errors now for a model the tree cannot run (attention, layer types)
         self._refuse_dropout(self.model, "the model")
+        if getattr(self, "aux_loss_enabled", False):
+            self._router()  # a load-balancing loss asked of a model without experts: refused now, not at a step
         # the precision the steps run in: bf16/fp16 mixed precision runs them under autocast
         compute_dtype = parts.compute_dtype_under(torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None)
         why = attention_refusal(parts.causal_lm, args.tree_attn_backend, parts.device, compute_dtype, args.tree_mode)
