@@ -36,6 +36,11 @@ def save_sft_checkpoint(path, family: str = "qwen2", **overrides) -> str:
                                                                           **overrides})
 
 
+#: Qwen3-Next's tiny family as released: its hybrid layers with experts instead of dense MLPs
+QWEN3_NEXT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, mlp_only_layers=[])
+
+
 def save_moe_checkpoint(path, family: str) -> str:
     """A tiny MoE model of ``family`` (qwen3_moe, gpt_oss) with its load-balancing loss on; GPT-OSS
     in eager attention (its sinks have no SDPA implementation)."""

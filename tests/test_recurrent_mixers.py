@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from sft_harness import QWEN3_NEXT_MOE
 from test_short_conv import FORESTS, WALKS, check_exact
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -87,9 +88,7 @@ def test_lora_on_the_mixers(family, targets):
 #: take no float64: compared in fp32, the whole update); Nemotron-H's Mamba-2, attention and MLP blocks
 #: in float64
 TRAINED = {
-    "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        shared_expert_intermediate_size=16, mlp_only_layers=[], router_aux_loss_coef=0.5),
-                   torch.float32),
+    "qwen3_next": (dict(QWEN3_NEXT_MOE, router_aux_loss_coef=0.5), torch.float32),
     "nemotron_h": (dict(layers_block_type=["mamba", "attention", "mlp", "mamba"]), torch.float64),
 }
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from sft_harness import save_sft_checkpoint, sft_tokenizer
+from sft_harness import QWEN3_NEXT_MOE, save_sft_checkpoint, sft_tokenizer
 from trainer_harness import reward_a
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -36,8 +36,7 @@ FAMILIES = {
     "gpt_oss": dict(router_aux_loss_coef=0.01, attn_implementation="eager"),
     "nemotron_h": dict(),  # Mamba-2, attention, MoE and Mamba-2 blocks (TRL's "nano")
     "lfm2": dict(),
-    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=16, mlp_only_layers=[], router_aux_loss_coef=0.01),
+    "qwen3_next": dict(QWEN3_NEXT_MOE, router_aux_loss_coef=0.01),
     # beyond TRL's list: the other hybrids the tree runs
     "falcon_h1": dict(),
     "jamba": dict(router_aux_loss_coef=0.01),
