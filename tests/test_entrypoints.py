@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import runpy
 import subprocess
 import sys
@@ -301,3 +302,40 @@ def test_last_step_profile_writes_the_operator_tables(tmp_path):
     profile.on_step_end(None, SimpleNamespace(global_step=2, max_steps=2), None)
     text = (tmp_path / "mode_rank0.txt").read_text()
     assert "# by self_cpu_time_total" in text and "aten::mm" in text and profile.prof is None
+    record = json.loads((tmp_path / "mode_rank0.json").read_text())
+    # the CPU: no kernels, nothing waited for
+    assert record == {"timeline": {}, "host_syncs": {"count": 0, "ms": 0.0, "by_op": {}}, "sync_stacks": []}
+
+
+def test_timeline_charges_gpu_idle_time_to_the_open_package_range():
+    """``bench.profile.timeline``: busy time is the union of the kernels over streams, and each idle
+    gap goes to the innermost ``trl_tree.*`` range open at its middle."""
+    from trl_tree.bench.profile import timeline
+
+    kernels = [(0, 100), (50, 150), (400, 500)]  # two streams overlap; then 250 µs idle; then 100 busy
+    host = [(0, 600, "trl_tree.training_step"), (160, 390, "trl_tree.window.exchange"), (10, 20, "aten::mm")]
+    t = timeline(kernels, host, min_gap_ms=0.0)
+    assert t["wall_ms"] == 0.6 and t["gpu_busy_ms"] == 0.25 and t["gpu_idle_ms"] == 0.35
+    assert t["idle_by_range_ms"] == {"trl_tree.window.exchange": 0.25, "trl_tree.training_step": 0.1}
+    assert t["longest_gaps"][0] == {"at_ms": 0.15, "ms": 0.25, "in": "trl_tree.window.exchange"}
+    assert t["range_cpu_ms"]["trl_tree.window.exchange"] == {"calls": 1, "ms": 0.23}
+    assert timeline([], host) == {}
+
+
+def test_sync_stacks_counts_synchronisations_by_their_python_stack():
+    """``bench.profile.sync_stacks``: each warning of torch's sync debug mode is counted under the
+    package frames that led to it (paths from the package on); other warnings pass through."""
+    import warnings
+
+    from trl_tree.bench.profile import sync_stacks, top_stacks
+
+    source = "import warnings\ndef synchronising():\n    warnings.warn('called a synchronizing CUDA operation')\n"
+    code = compile(source, "/somewhere/site-packages/trl_tree/fake.py", "exec")  # as if the package's own code
+    namespace: dict = {}
+    exec(code, namespace)
+    with sync_stacks() as counts:
+        namespace["synchronising"]()
+        namespace["synchronising"]()
+        with pytest.warns(UserWarning, match="another"):
+            warnings.warn("another")
+    assert top_stacks(counts) == [{"count": 2, "stack": ["trl_tree/fake.py:3 synchronising"]}]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -74,17 +75,22 @@ class GradientCapture(TrainerCallback):
 class LastStepProfile(TrainerCallback):
     """The torch profiler over the run's last optimizer step (every micro-step, the window's exchanges
     and the gradient average with it), its tables written to ``path``: the operators by self CUDA time
-    and by self CPU time — where a multi-GPU step spends what a quarter of the one-GPU step does not."""
+    and by self CPU time — where a multi-GPU step spends what a quarter of the one-GPU step does not —
+    and beside it (``.json``) where the GPU idles and in which of the package's ranges the host is
+    meanwhile, and the host's synchronisations, by operator and by Python stack (``bench.profile``)."""
 
     def __init__(self, path: str, rows: int = 40):
-        self.path, self.rows, self.prof = path, rows, None
+        self.path, self.rows, self.prof, self.syncs = path, rows, None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == state.max_steps - 1 and self.prof is None:
             from torch.profiler import ProfilerActivity, profile
 
+            from .profile import sync_stacks
+
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = profile(activities=activities)
+            self.prof, self.syncs = profile(activities=activities), sync_stacks()
+            self.stacks = self.syncs.__enter__()
             self.prof.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -93,11 +99,17 @@ class LastStepProfile(TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
+        self.syncs.__exit__(None, None, None)
         table = self.prof.key_averages()
         with open(self.path, "w") as f:
             for key in (("self_cuda_time_total",) if torch.cuda.is_available() else ()) + ("self_cpu_time_total",):
                 f.write(f"# by {key}\n{table.table(sort_by=key, row_limit=self.rows, max_name_column_width=70)}\n")
-        self.prof = None
+        from .profile import gpu_timeline, host_syncs, top_stacks
+
+        with open(os.path.splitext(self.path)[0] + ".json", "w") as f:
+            json.dump({"timeline": gpu_timeline(self.prof), "host_syncs": host_syncs(self.prof),
+                       "sync_stacks": top_stacks(self.stacks)}, f, indent=1)
+        self.prof = self.syncs = None
 
 
 def compare_update(directory: str, mode: str, gradient: torch.Tensor, accelerator) -> dict:
