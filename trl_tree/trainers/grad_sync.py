@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 #: most bytes one bucket of concatenated gradients holds
 BUCKET_BYTES = 64 * 2**20
@@ -141,6 +142,7 @@ class GradientAverager:
         params = [self.params[i] for i in self.buckets[b]]
         return [part.view_as(p) for p, part in zip(params, self._flat[b].split([p.numel() for p in params]))]
 
+    @record_function("trl_tree.grad_sync.arm")
     def arm(self) -> None:
         """From now on, a parameter whose gradient is accumulated is final: reduce its bucket once full."""
         if self.armed:
@@ -151,12 +153,14 @@ class GradientAverager:
         self._full, self._next = set(), 0
         for b, bucket in enumerate(self.buckets):
             first = self.params[bucket[0]]
-            self._flat.append(torch.empty(sum(self.params[i].numel() for i in bucket), dtype=first.dtype,
-                                          device=first.device))
+            empty = all(self.params[i].grad is None for i in bucket)  # the usual case: zero_grad set them None
+            self._flat.append((torch.zeros if empty else torch.empty)(
+                sum(self.params[i].numel() for i in bucket), dtype=first.dtype, device=first.device))
             for i, part in zip(bucket, self._parts(b)):
                 p = self.params[i]
                 if p.grad is None:
-                    part.zero_()
+                    if not empty:
+                        part.zero_()
                 elif p.grad.dtype != part.dtype:
                     raise ValueError(f"GradientAverager: a {p.grad.dtype} gradient of a {p.dtype} parameter; the "
                                      "buckets hold the parameters' dtype")
@@ -183,6 +187,7 @@ class GradientAverager:
             p.grad = None  # the buffer is the collective's now; a later accumulation is a tensor of its own
         self._launched[b] = self._reduce(self._flat[b], async_op=True)
 
+    @record_function("trl_tree.grad_sync.flush")
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, without waiting: called right after the
         step's last backward on every rank (on a rank that ran none too), so that all ranks issue
@@ -195,6 +200,7 @@ class GradientAverager:
             self._launch(b)
         self._next, self._full = len(self.buckets), set()
 
+    @record_function("trl_tree.grad_sync.wait")
     def finish(self) -> None:
         """Launch what is left, wait, and leave every gradient averaged (a view into its bucket)."""
         if not self.params:
@@ -218,7 +224,8 @@ class GradientAverager:
                                     else torch.zeros_like(self.params[i])).reshape(-1) for i in self.buckets[b]])
                 self._reduce(extra, async_op=False)
                 self._flat[b].add_(extra)
-            self._flat[b].div_(self.num_processes)
+        torch._foreach_div_(self._flat, self.num_processes)  # one launch for every bucket
+        for b in range(len(self.buckets)):
             for i, part in zip(self.buckets[b], self._parts(b)):
                 self.params[i].grad = part if present[i] else None  # none anywhere: the optimizer skips it
         self.last_step = {"overlapped": overlapped, "again": sum(1 for x in late if x), "buckets": len(self.buckets)}

@@ -11,10 +11,13 @@ unique-token cost (longest-processing-time first), so no micro-batch is much hea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+
+from .._device import upload
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
@@ -92,11 +95,14 @@ def plan_micro_batches(
 def take_rows(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
     """Rows ``index`` of every per-row entry of a TRL batch dict; scalars pass unchanged."""
     out: dict[str, Any] = {}
+    on: dict[torch.device, torch.Tensor] = {}  # the index, uploaded once per device, without a wait
     for key, value in batch.items():
         if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
             out[key] = value
         elif isinstance(value, torch.Tensor):
-            out[key] = value.index_select(0, torch.tensor(index, device=value.device))
+            if value.device not in on:
+                (on[value.device],) = upload([np.asarray(index, dtype=np.int64)], torch.int64, value.device)
+            out[key] = value.index_select(0, on[value.device])
         elif isinstance(value, (list, tuple)):
             out[key] = [value[i] for i in index]
         else:
@@ -104,28 +110,36 @@ def take_rows(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
     return out
 
 
-def split_into_calls(sequences: list[list[int]], budget: int | None) -> list[list[int]]:
-    """Cut rows into tree calls of at most ``budget`` unique tokens each (all in one call if None).
+def trie_key(sequence) -> bytes:
+    """A sort key that orders token sequences as a trie's leaves (lexicographically, a prefix before
+    its extensions): big-endian fixed-width bytes compare as the ids do, and compare in C."""
+    return np.asarray(sequence, dtype=np.int64).astype(">i8").tobytes()
+
+
+def split_into_calls(sequences: Sequence, budget: int | None) -> list[list[int]]:
+    """Cut rows (lists or int arrays of token ids) into tree calls of at most ``budget`` unique
+    tokens each (all in one call if None).
 
     Rows are taken in sorted (trie) order, so each call is a run of neighbours and its unique
     tokens are exactly the sum over its rows of ``len(row) - LCP(row, previous row in the call)``.
     A row longer than the budget on its own gets a call of its own (the depth-first walk bounds its
     memory; packed mode cannot do better than one sequence).
     """
-    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    keys = [trie_key(s) for s in sequences]
+    order = sorted(range(len(sequences)), key=keys.__getitem__)
     if budget is None:
         return [order] if order else []
     calls: list[list[int]] = []
     current: list[int] = []
     used = 0
     for i in order:
-        seq = sequences[i]
+        seq = np.asarray(sequences[i], dtype=np.int64)
         shared = 0
         if current:
-            prev = sequences[current[-1]]
+            prev = np.asarray(sequences[current[-1]], dtype=np.int64)
             limit = min(len(prev), len(seq))
-            while shared < limit and prev[shared] == seq[shared]:
-                shared += 1
+            differ = np.flatnonzero(prev[:limit] != seq[:limit])
+            shared = int(differ[0]) if differ.size else limit
         cost = len(seq) - shared
         if current and used + cost > budget:
             calls.append(current)

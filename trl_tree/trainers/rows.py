@@ -9,6 +9,7 @@ written it (padding columns get 0, which TRL masks out of every loss and metric)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,9 @@ class PaddedRows:
     rows: torch.Tensor
     cols: torch.Tensor
     shape: tuple[int, int]
+    #: the sequences on the host (int64 arrays), where the rows were made from host memory or read
+    #: back once (``host_sequences``)
+    host: list[np.ndarray] | None = None
 
     @classmethod
     def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> PaddedRows:
@@ -85,10 +89,27 @@ class PaddedRows:
         device = sequences[0].device if sequences else torch.device("cpu")
         rows = np.concatenate([np.full(c, i) for i, c in enumerate(counts)]) if counts else np.zeros(0)
         cols = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
-        return cls(sequences=list(sequences), score_from=list(score_from),
-                   rows=torch.from_numpy(rows.astype(np.int64)).to(device),
-                   cols=torch.from_numpy(cols.astype(np.int64)).to(device),
+        rows_t, cols_t = upload([rows, cols], torch.int64, device)  # queued, no wait for the GPU
+        return cls(sequences=list(sequences), score_from=list(score_from), rows=rows_t, cols=cols_t,
                    shape=(len(counts), max(counts, default=0)))
+
+    @classmethod
+    def from_host(cls, sequences: list[np.ndarray], score_from: list[int], device: torch.device) -> PaddedRows:
+        """``from_sequences`` of rows held on the host: every row travels in one copy (each a view of
+        it on ``device``), not one synchronising copy per row, and the host arrays are kept."""
+        on_device = upload(sequences, torch.int64, device)
+        return dataclasses.replace(cls.from_sequences(on_device, score_from),
+                                   host=[np.asarray(s, dtype=np.int64) for s in sequences])
+
+    def host_sequences(self) -> list[np.ndarray]:
+        """The sequences as int64 host arrays: read back in one copy the first time (one wait for
+        the GPU, not one per row), kept after."""
+        if self.host is None:
+            lengths = [len(s) for s in self.sequences]
+            flat = torch.cat(self.sequences).detach().to("cpu", torch.int64).numpy() if self.sequences \
+                else np.zeros(0, np.int64)
+            self.host = np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
+        return self.host
 
     @property
     def scored_counts(self) -> list[int]:

@@ -19,6 +19,7 @@ import warnings
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..attention.support import attention_refusal
 from ..backward_hooks import before_last_backward
@@ -455,7 +456,8 @@ class TreeCallsMixin:
         (``step_done``). Every trainer and ``tree_mode`` logs it: a ``tree_mode='off'`` run is the
         baseline the docs compare against."""
         if loss.device.type == "cuda":
-            torch.cuda.synchronize(loss.device)
+            with record_function("trl_tree.step_timer"):
+                torch.cuda.synchronize(loss.device)
         self._tree_step_seconds = getattr(self, "_tree_step_seconds", 0.0) + time.perf_counter() - started - excluded
         if step_done:
             self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)

@@ -35,12 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..cost_model import StepCost, step_flops
 from ..forest import PrefixForest
 from .balance import balance, imbalance
 from .exchange import RankExchange
-from .grouping import split_into_calls
+from .grouping import split_into_calls, trie_key
 from .rows import PaddedRows
 
 #: busiest rank over mean above which a tree is cut in two to balance the ranks
@@ -101,10 +102,10 @@ class TreeWindow:
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
                      for rank, (micros, rank_widths) in enumerate(gathered)
                      for m, micro in enumerate(micros) for i, (tokens, first) in enumerate(micro)]
-        prompts = [tuple(row.tokens[: row.score_from].tolist()) for row in self.rows]
+        prompts = [row.tokens[: row.score_from].tobytes() for row in self.rows]  # hashable, cheap to hash
         units: dict[tuple, list[int]] = {}
         for g, row in enumerate(self.rows):
-            units.setdefault(((row.width,) if split_by_width else ()) + prompts[g], []).append(g)
+            units.setdefault((row.width if split_by_width else None, prompts[g]), []).append(g)
         self.units = list(units.values())
 
         def flops(rows: list[int], two_pass: bool) -> float:
@@ -141,8 +142,7 @@ class TreeWindow:
     def payload(micro_rows: list[PaddedRows], widths: list[int]) -> tuple:
         """What a rank sends every other when a window opens: its rows' tokens and score offsets per
         micro-step, and the micro-batches' padded widths."""
-        mine = [[(s.detach().cpu().numpy().astype(np.int64), f) for s, f in zip(r.sequences, r.score_from)]
-                for r in micro_rows]
+        mine = [list(zip(r.host_sequences(), r.score_from)) for r in micro_rows]  # one read-back per micro-batch
         return mine, list(widths)
 
     def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int):
@@ -161,7 +161,7 @@ class TreeWindow:
             if not cuttable:
                 break
             u = max(cuttable, key=costs.__getitem__)
-            rows = sorted(units[u], key=lambda g: self.rows[g].tokens.tolist())
+            rows = sorted(units[u], key=lambda g: trie_key(self.rows[g].tokens))
             halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
             trial = units[:u] + halves + units[u + 1 :]
             trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
@@ -176,6 +176,7 @@ class TreeWindow:
         """Whether the placed trees cost the busiest rank less than TRL's layout does."""
         return max(self.rank_costs) < max(self.stock_rank_costs)
 
+    @record_function("trl_tree.window.layout")
     def layout(self, device: torch.device) -> tuple[PaddedRows, list[tuple[list, list[PrefixForest], int]]]:
         """The owned rows and their tree calls: ``[(calls, forests, rope_length)]``, one entry per
         padded width where a length-dependent RoPE needs it (``split_by_width``; else one entry at
@@ -183,8 +184,8 @@ class TreeWindow:
         whole) is left out: it adds no token to the flat per-token vectors either way."""
         if self._layout is None:
             scored = [g for g in self.owned if self.rows[g].scored > 0]
-            seqs = [torch.from_numpy(self.rows[g].tokens).to(device) for g in scored]
-            owned = PaddedRows.from_sequences(seqs, [self.rows[g].score_from for g in scored])
+            owned = PaddedRows.from_host([self.rows[g].tokens for g in scored],
+                                         [self.rows[g].score_from for g in scored], device)
             by_width: dict[int, list[int]] = {}
             for i, g in enumerate(scored):
                 by_width.setdefault(self.rows[g].width, []).append(i)
@@ -193,9 +194,11 @@ class TreeWindow:
             groups = []
             for width in sorted(by_width):
                 index = by_width[width]
-                lists = [self.rows[scored[i]].tokens.tolist() for i in index]
-                calls = [[index[j] for j in call] for call in split_into_calls(lists, self.token_budget)]
-                groups.append((calls, [PrefixForest.from_sequences(owned.subset(c)[0]) for c in calls], width))
+                arrays = [self.rows[scored[i]].tokens for i in index]
+                calls = [[index[j] for j in call] for call in split_into_calls(arrays, self.token_budget)]
+                # built from the host's arrays: the device copies are not read back
+                groups.append((calls, [PrefixForest.from_sequences([owned.host[i] for i in c]) for c in calls],
+                               width))
             self._layout = owned, groups
         return self._layout
 
@@ -205,6 +208,7 @@ class TreeWindow:
         return [f for _, forests, _ in self._layout[1] for f in forests] if self._layout else []
 
     # ------------------------------------------------------------------ passes
+    @record_function("trl_tree.window.forward")
     def forward(self, name: str, score: Score, backward: Backward | None, device: torch.device) -> None:
         """Run a pass's forward on the owned trees and bring each row's results home; ``backward``
         (None for a forward-only pass) runs at :meth:`backward` with the rows' loss gradients."""
@@ -214,6 +218,7 @@ class TreeWindow:
         results = _summed(score(owned, calls, forests, rope_length) for calls, forests, rope_length in groups)
         self._bring_home(name, results, backward, device)
 
+    @record_function("trl_tree.window.one_pass")
     def one_pass(self, name: str, constants: list[torch.Tensor], run: OnePass, device: torch.device) -> None:
         """A pass whose loss is a sum of per-token terms (``separable_loss``): each micro-step's
         per-token ``constants`` (padded ``(B, T, K)`` on its rows) go to the trees' owners, which run
@@ -236,6 +241,7 @@ class TreeWindow:
         # every rank ran ``run`` (if only on nothing), so every rank knows the kinds: no agreement needed
         self._bring_home(name, results, None, device, [None if r is None else r.dtype for r in results])
 
+    @record_function("trl_tree.window.bring_home")
     def _bring_home(self, name: str, results: list[torch.Tensor | None] | None, backward: Backward | None,
                     device: torch.device, dtypes: list[torch.dtype | None] | None = None) -> None:
         """Send each owned row's per-token ``results`` to the row's home rank; keep them as the pass
@@ -267,6 +273,7 @@ class TreeWindow:
             if g is not None:
                 kept[k] = g.detach() if kept[k] is None else kept[k] + g.detach()
 
+    @record_function("trl_tree.window.backward")
     def backward(self, device: torch.device) -> None:
         """Send every pass's gradients to the trees' owners and run each pass's tree backward."""
         owned, groups = self.layout(device)
@@ -304,6 +311,7 @@ class TreeWindow:
             return []
         return [next((d[k] for d in every if d[k] is not None), None) for k in range(len(every[0]))]
 
+    @record_function("trl_tree.window.exchange")
     def _send(self, flat: torch.Tensor | None, to_owners: bool, device: torch.device,
               dtype: torch.dtype) -> list[torch.Tensor]:
         """Move per-token values between the rows' two places: from the trees' owners to the rows'
