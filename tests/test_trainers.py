@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +212,10 @@ def test_padded_rows_round_trip():
     flat = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]
     out = rows.to_padded([torch.cat(flat[::-1])], [[1, 0]])
     assert out.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]
+    assert [h.tolist() for h in rows.host_sequences()] == [[5, 6, 7, 8], [3, 4, 5, 6, 9, 10, 11]]  # read back once
+    again = PaddedRows.from_host(rows.host_sequences(), rows.score_from, ids.device)  # one upload for all rows
+    assert [s.tolist() for s in again.sequences] == [s.tolist() for s in rows.sequences] and again.host is not None
+    assert again.rows.tolist() == [0, 0, 1, 1, 1] and again.cols.tolist() == [0, 1, 0, 1, 2]
     with pytest.raises(ValueError, match="not one contiguous run"):
         PaddedRows.from_padded(ids, torch.tensor([[1, 0, 1, 1, 1, 1, 0], [1] * 7]), 3)
     with pytest.raises(ValueError, match="no prompt token"):
@@ -238,9 +243,13 @@ def test_calls_respect_the_budget():
     from trl_tree import PrefixForest
 
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 7, 7, 7, 7], [8, 8, 8], [1, 2, 3, 4, 6]]
-    for budget in (3, 6, 9, 12, 100):
+    for budget in (3, 6, 9, 12, 100, None):
         calls = split_into_calls(seqs, budget)
-        assert sorted(i for c in calls for i in c) == list(range(5))
+        assert split_into_calls([np.array(x) for x in seqs], budget) == calls  # int arrays: the same calls
+        assert [i for c in calls for i in c] == sorted(range(5), key=seqs.__getitem__)  # trie order
+        if budget is None:
+            assert len(calls) == 1
+            continue
         for c in calls:
             unique = PrefixForest.from_sequences([seqs[i] for i in c]).num_unique_tokens
             assert unique <= budget or len(c) == 1
