@@ -69,14 +69,8 @@ class PaddedRows:
             score_from.append(stop - start - n_scored)
             rows.append(np.full(n_scored, i))
             cols.append(np.arange(n_scored))
-        device = input_ids.device
-        return cls(
-            sequences=sequences,
-            score_from=score_from,
-            rows=torch.from_numpy(np.concatenate(rows)).to(device),
-            cols=torch.from_numpy(np.concatenate(cols)).to(device),
-            shape=(B, logits_to_keep),
-        )
+        rows_t, cols_t = upload([np.concatenate(rows), np.concatenate(cols)], torch.int64, input_ids.device)
+        return cls(sequences=sequences, score_from=score_from, rows=rows_t, cols=cols_t, shape=(B, logits_to_keep))
 
     @classmethod
     def from_sequences(cls, sequences: list[torch.Tensor], score_from: list[int]) -> PaddedRows:
