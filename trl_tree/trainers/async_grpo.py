@@ -112,14 +112,14 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         """A model stock loaded with its hub kernel's attention name runs the engine's attention on
         ``sdpa``'s name instead: stock registers its own function under that name again at every
         construction, which would undo the engine's routing of it (``attention/dispatch.py``)."""
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._unwrapped(self.model)
         if model.config._attn_implementation == stock_module.TREE_ATTENTION:
             model.set_attn_implementation("sdpa")
 
     def _install_trie_head(self) -> None:
         """Stock's fused forward on its packed row, answered by the tree (the trained model's causal
         LM: the PEFT base under LoRA, whose fused head stock installed)."""
-        causal_lm = self.accelerator.unwrap_model(self.model)
+        causal_lm = self._unwrapped(self.model)
         causal_lm = causal_lm.get_base_model() if isinstance(causal_lm, PeftModel) else causal_lm
         original = causal_lm.forward
         owner = weakref.ref(self)
@@ -222,7 +222,7 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
             return super().get_train_dataloader()
         from .rollout_batcher import RolloutBatcher, flop_cost
 
-        config = self.accelerator.unwrap_model(self.model).config
+        config = self._unwrapped(self.model).config
         cost = flop_cost(config, bool(self.args.gradient_checkpointing))
         keep = self.args.tree_mode == "dfs"
 

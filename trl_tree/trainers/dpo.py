@@ -62,12 +62,12 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
         if getattr(self, "_tree_heads_installed", False) or self.args.tree_mode == "off":
             return
         self._tree_heads_installed = True
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self._unwrapped(self.model)
         policy = policy.get_base_model() if isinstance(policy, PeftModel) else policy
         outputs = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         install_tree_head(self, policy, outputs, policy=True)
         if getattr(self, "ref_model", None) is not None:
-            install_tree_head(self, self.accelerator.unwrap_model(self.ref_model), (), policy=False)
+            install_tree_head(self, self._unwrapped(self.ref_model), (), policy=False)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._install_tree_heads()
@@ -113,5 +113,5 @@ class TreeDPOTrainer(TreeCallsMixin, DPOTrainer):
     def _after_backward(self, model) -> None:
         if self._tree_sync_pending:  # the replayed call ran past DDP: its gradients averaged here
             self._tree_sync_pending = False
-            self._sync_gradients(self.accelerator.unwrap_model(model))
+            self._sync_gradients(self._unwrapped(model))
 

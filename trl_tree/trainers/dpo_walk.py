@@ -78,7 +78,7 @@ def one_pass_loss(trainer, model, inputs: dict, num_items_in_batch=None) -> torc
     trainer._log_forests(forests)
     call_kwargs = {**trainer._call_kwargs(ids.shape[1]), "coupled": (batch.batch_rows % (ids.shape[0] // 2))[calls[0]],
                    "head_outputs": head_outputs}
-    trainer._walk_calls(trainer.accelerator.unwrap_model(model), rows, calls, forests, make_loss,
+    trainer._walk_calls(trainer._unwrapped(model), rows, calls, forests, make_loss,
                         {**trainer._mode_kwargs(), **call_kwargs})
     outputs = {name: place_on_batch(batch, grid, layout) for name, grid in kept.grids.items()}
     outputs["log_probs"] = outputs["log_probs"].detach().requires_grad_()  # back-propagated already: a leaf

@@ -270,7 +270,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False
-            self._sync_gradients(self.accelerator.unwrap_model(model))
+            self._sync_gradients(self._unwrapped(model))
         if self.args.tree_mode != "off":
             self._check_finite(model, loss)
         self._add_step_time(start, loss, self._step % self.current_gradient_accumulation_steps == 0,
@@ -290,7 +290,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         finite_grads = True
         if self.accelerator.sync_gradients:
             grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
-                     for p in trainable_parameters(self.accelerator.unwrap_model(model)) if p.grad is not None]
+                     for p in trainable_parameters(self._unwrapped(model)) if p.grad is not None]
             norms = torch._foreach_norm(grads) if grads else []
             finite_grads = bool(torch.stack(norms).isfinite().all()) if norms else True
         value = float(loss.detach())
@@ -426,7 +426,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         loss = self._one_pass_loss() if two_pass and router is None and value_head is None else None
         inputs = self._one_pass_inputs(input_ids) if loss is not None else None
         if inputs is not None:  # a sum of per-token terms: forward and backward in one pass
-            logps, entropies = self._one_pass_calls(self.accelerator.unwrap_model(model), rows, calls, forests, loss,
+            logps, entropies = self._one_pass_calls(self._unwrapped(model), rows, calls, forests, loss,
                                                     loss.constants(self, inputs), compute_entropy, call_kwargs,
                                                     sync=True)
             logps, entropies, _, _ = bridge(logps, entropies, _gradient_already_taken)
@@ -437,11 +437,11 @@ class TreeTrainerMixin(TreeCallsMixin):
         unwrapped = by_hand or (two_pass and self._graphs_by_hand())
         with self.accelerator.autocast():
             logps, entropies, values = self._score_calls(
-                self.accelerator.unwrap_model(model) if unwrapped else model, rows, calls, forests, compute_entropy,
+                self._unwrapped(model) if unwrapped else model, rows, calls, forests, compute_entropy,
                 two_pass, router, call_kwargs, value_head)
         aux_loss = router.loss() if router is not None else None
         if two_pass:
-            target = self.accelerator.unwrap_model(model)
+            target = self._unwrapped(model)
             self._metrics["train"]["tree/passes"].append(2.0)
 
             def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
@@ -516,7 +516,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         """The policy's log-probs (entropies, a shared critic's values) of micro-step ``micro`` from
         the window's trees, through the bridge whose backward keeps their gradients for the window's
         one tree backward."""
-        target = self.accelerator.unwrap_model(model)
+        target = self._unwrapped(model)
         device = self.accelerator.device
         value_head = self._joint_value_head()
         loss = self._window_one_pass()
@@ -564,7 +564,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
         exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes, exchange_group())
         window = self._new_window(model, [rows], [input_ids.shape[1]], exchange, False, stock_two_pass=False)
-        target = self.accelerator.unwrap_model(model)
+        target = self._unwrapped(model)
         window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
         self._metrics["train"]["tree/rank_imbalance_forward"].append(window.imbalance)
         logps, entropies, _ = window.outputs("forward", 0)
@@ -601,7 +601,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         if state.window is None or not state.window.passes:
             return
         state.window.backward(self.accelerator.device)
-        self._sync_gradients(self.accelerator.unwrap_model(model))
+        self._sync_gradients(self._unwrapped(model))
 
 
 def _gradient_already_taken(*grads) -> None:

@@ -75,7 +75,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
             raise ValueError(f"TreePPOTrainer: the critic is trained beside the policy with gradients averaged by hand "
                              f"(DDP); {self.accelerator.distributed_type.value} is not supported yet")
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self._unwrapped(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         vocab = policy.get_input_embeddings().num_embeddings  # the ids the policy reads (and generates)
         if hasattr(tokenizer, "__len__"):
@@ -213,7 +213,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if self.ref_model is not None:
             return self._get_per_token_logps_and_entropies(self.ref_model, input_ids, attention_mask, logits_to_keep,
                                                            batch_size=batch_size)[0]
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._unwrapped(self.model)
         with use_adapter(model, adapter_name="ref" if "ref" in getattr(model, "peft_config", {}) else None):
             return self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, logits_to_keep,
                                                            batch_size=batch_size)[0]
@@ -234,7 +234,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         (0 in padding). ``differentiable``: the value loss's backward reaches the critic — through
         the graph, or (dfs, several calls under a token budget, a critic adapter under gradient
         checkpointing) through a second pass (``bridge``) that runs ``tree_value_backward``."""
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self._unwrapped(self.model)
         model = self.critic.backbone_model(policy)
         head = self._critic_head()
         needs_active = self.critic.kind == "adapter" and self.args.gradient_checkpointing
@@ -332,7 +332,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         backbone = value_model_parts(model, head).backbone
         step = batch_size or input_ids.shape[0]
         out = []
-        with self.critic.active(self.accelerator.unwrap_model(self.model)), self.accelerator.autocast():
+        with self.critic.active(self._unwrapped(self.model)), self.accelerator.autocast():
             for start in range(0, input_ids.shape[0], step):
                 hidden = backbone(input_ids=input_ids[start : start + step],
                                   attention_mask=attention_mask[start : start + step], use_cache=False)
@@ -353,7 +353,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         else:  # the untreed shared critic: the head on the same forward's last hidden state
-            backbone = value_model_parts(self.accelerator.unwrap_model(model), self.critic.head).backbone
+            backbone = value_model_parts(self._unwrapped(model), self.critic.head).backbone
             with capture_last_hidden_state(backbone) as captured:
                 out = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,

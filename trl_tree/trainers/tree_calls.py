@@ -50,7 +50,7 @@ class TreeCallsMixin:
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
-                    compile_layers(self.accelerator.unwrap_model(model))
+                    compile_layers(self._unwrapped(model))
 
     def _check_tree_support(self) -> None:
         """Refuse, at construction, what the tree cannot compute exactly — never a wrong number later."""
@@ -149,7 +149,7 @@ class TreeCallsMixin:
 
         two_pass = self.args.tree_mode == "dfs" or self.args.tree_token_budget is not None
         if (two_pass or self._graphs_by_hand()) and isinstance(model, DistributedDataParallel):
-            return self.accelerator.unwrap_model(model)
+            return self._unwrapped(model)
         return model
 
     def _wrapper_name(self) -> str:
@@ -311,7 +311,7 @@ class TreeCallsMixin:
         extra = self._tree_head_outputs
         aux = router.loss() if router is not None else None
         if two_pass:
-            target = self.accelerator.unwrap_model(model)
+            target = self._unwrapped(model)
 
             def second_pass(grad_logps, grad_entropies, grad_aux, grad_values):
                 self._tree_backward(target, rows, calls, forests, grad_logps, router=router, grad_aux=grad_aux,
@@ -389,6 +389,18 @@ class TreeCallsMixin:
         if sync:
             self._sync_gradients(model)
 
+    def _unwrapped(self, model):
+        """``accelerator.unwrap_model(model)``, kept for the last model asked about: Accelerate looks
+        installed packages up on every call (a DeepSpeed check through importlib, ~0.5 ms), and a
+        window's micro-steps ask for the policy at each one, where the step's host time is the
+        step's time."""
+        cached = self.__dict__.get("_tree_unwrapped")
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        inner = self.accelerator.unwrap_model(model)
+        self.__dict__["_tree_unwrapped"] = (model, inner)
+        return inner
+
     def _averager(self, model, params=None) -> GradientAverager | None:
         """The by-hand average over the processes of ``model``'s trainable gradients (``params``: these
         instead, a PPO critic's), made once, in buckets of ``ddp_bucket_cap_mb`` (DDP's own setting,
@@ -447,7 +459,7 @@ class TreeCallsMixin:
         trainer's ``training_step`` calls it after stock's."""
         if self._tree_fsdp_pending and self.accelerator.sync_gradients:
             self._tree_fsdp_pending = False
-            reduce_gradients(self.accelerator.unwrap_model(model), self.accelerator.device)
+            reduce_gradients(self._unwrapped(model), self.accelerator.device)
 
     def _add_step_time(self, started: float, loss: torch.Tensor, step_done: bool, excluded: float = 0.0) -> None:
         """``tree/fwd_bwd_time``: the seconds of an optimizer step's micro-steps since ``started``
