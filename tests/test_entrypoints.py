@@ -339,3 +339,23 @@ def test_sync_stacks_counts_synchronisations_by_their_python_stack():
         with pytest.warns(UserWarning, match="another"):
             warnings.warn("another")
     assert top_stacks(counts) == [{"count": 2, "stack": ["trl_tree/fake.py:3 synchronising"]}]
+
+
+def test_profiled_ranges_open_one_per_call():
+    """``trl_tree._profiling.profiled``: a call inside another call of the same function opens a
+    range of its own (``record_function`` as a decorator shares one object between the calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trl_tree._profiling import profiled
+
+    @profiled("trl_tree.test.nested")
+    def countdown(n: int) -> int:
+        torch.ones(1)  # a range with no operator in it is not recorded
+        return countdown(n - 1) + 1 if n else 0
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert countdown(2) == 2
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "trl_tree.test.nested")
+    assert len(spans) == 3  # nested, each closed by its own call
+    assert spans[0][0] <= spans[1][0] <= spans[2][0] <= spans[2][1] <= spans[1][1] <= spans[0][1]

@@ -17,10 +17,10 @@ from contextvars import ContextVar
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from ._device import upload
 from ._inputs import SequenceLike
+from ._profiling import profiled
 from .attention import backends
 from .attention.buckets import BucketedLayout
 from .attention.support import attention_features
@@ -390,7 +390,7 @@ def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score
     return parts, forest, mode, opts, forest.scoring_plan(score_from)
 
 
-@record_function("trl_tree.tree_forward")
+@profiled("trl_tree.tree_forward")
 def _forward_scores(model, seqs, mode: str, opts: TreeOptions, temperature, return_entropy, score_from, rope_length,
                     lm_head_fp32, router, value_head, values_only: bool, head_outputs: tuple[str, ...] = ()):
     """Flat ``(logps, entropies, values, plan, extra)`` of :func:`tree_logprobs` / :func:`tree_values`
@@ -495,7 +495,7 @@ def tree_value_backward(
                      value_head, values_only=True)
 
 
-@record_function("trl_tree.tree_backward")
+@profiled("trl_tree.tree_backward")
 def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature, score_from, rope_length,
               lm_head_fp32, router, with_entropy, value_head, values_only: bool, coupled=None,
               head_outputs: tuple[str, ...] = ()) -> float:

@@ -25,7 +25,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from torch.profiler import record_function
+
+from ._profiling import profiled
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -74,7 +75,7 @@ def gathered(model: torch.nn.Module):
             m.reshard()
 
 
-@record_function("trl_tree.fsdp.reduce")
+@profiled("trl_tree.fsdp.reduce")
 def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     """Reduce-scatter the gradients accumulated under :func:`gathered` (and by FSDP2's own unsynced
     backwards) once, through a backward with sync on (see the module docstring)."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from torch.profiler import record_function
+
+from .._profiling import profiled
 
 #: most bytes one bucket of concatenated gradients holds
 BUCKET_BYTES = 64 * 2**20
@@ -142,7 +143,7 @@ class GradientAverager:
         params = [self.params[i] for i in self.buckets[b]]
         return [part.view_as(p) for p, part in zip(params, self._flat[b].split([p.numel() for p in params]))]
 
-    @record_function("trl_tree.grad_sync.arm")
+    @profiled("trl_tree.grad_sync.arm")
     def arm(self) -> None:
         """From now on, a parameter whose gradient is accumulated is final: reduce its bucket once full."""
         if self.armed:
@@ -187,7 +188,7 @@ class GradientAverager:
             p.grad = None  # the buffer is the collective's now; a later accumulation is a tensor of its own
         self._launched[b] = self._reduce(self._flat[b], async_op=True)
 
-    @record_function("trl_tree.grad_sync.flush")
+    @profiled("trl_tree.grad_sync.flush")
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, without waiting: called right after the
         step's last backward on every rank (on a rank that ran none too), so that all ranks issue
@@ -200,7 +201,7 @@ class GradientAverager:
             self._launch(b)
         self._next, self._full = len(self.buckets), set()
 
-    @record_function("trl_tree.grad_sync.wait")
+    @profiled("trl_tree.grad_sync.wait")
     def finish(self) -> None:
         """Launch what is left, wait, and leave every gradient averaged (a view into its bucket)."""
         if not self.params:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
+from .._profiling import profiled
 from ..engine import scored_first
 from ..forest import PrefixForest
 from ..model_parts import model_parts, trainable_parameters
@@ -227,7 +227,7 @@ class TreeTrainerMixin(TreeCallsMixin):
             ratio([rows[k * per:(k + 1) * per] for k in range(len(plan))]), len(plan))
 
     # ------------------------------------------------------------------ micro-batches
-    @record_function("trl_tree.prepare_inputs")
+    @profiled("trl_tree.prepare_inputs")
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
         """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
         start = time.perf_counter()
@@ -259,7 +259,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         finally:
             self._tree_prepare_seconds += time.perf_counter() - start
 
-    @record_function("trl_tree.training_step")
+    @profiled("trl_tree.training_step")
     def training_step(self, model, inputs, num_items_in_batch):
         self._tree_prepare_seconds = 0.0
         self._tree_sync_pending = False
@@ -277,7 +277,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                             self._tree_prepare_seconds)
         return loss
 
-    @record_function("trl_tree.check_finite")
+    @profiled("trl_tree.check_finite")
     def _check_finite(self, model, loss: torch.Tensor) -> None:
         """Raise before the optimizer can write a non-finite loss or gradient into the model, naming the
         micro-batch. Under fp16 loss scaling an overflow is expected and the scaler skips the step (the
@@ -308,7 +308,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         )
 
     # ------------------------------------------------------------------ the loss in one pass
-    @record_function("trl_tree.loss")
+    @profiled("trl_tree.loss")
     def _compute_loss(self, model, inputs):
         """TRL's, with its ``inputs`` at hand for the policy's tree call: where the loss is a sum of
         per-token terms (``_one_pass_loss``), the call computes each term's gradient as it scores
@@ -482,7 +482,7 @@ class TreeTrainerMixin(TreeCallsMixin):
             )
         return state.window, micro
 
-    @record_function("trl_tree.window.open")
+    @profiled("trl_tree.window.open")
     def _open_window(self, allowed: bool) -> _WindowState:
         args = self.args
         spg = args.steps_per_generation

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
+from .._profiling import profiled
 from ..cost_model import StepCost, step_flops
 from ..forest import PrefixForest
 from .balance import balance, imbalance
@@ -176,7 +176,7 @@ class TreeWindow:
         """Whether the placed trees cost the busiest rank less than TRL's layout does."""
         return max(self.rank_costs) < max(self.stock_rank_costs)
 
-    @record_function("trl_tree.window.layout")
+    @profiled("trl_tree.window.layout")
     def layout(self, device: torch.device) -> tuple[PaddedRows, list[tuple[list, list[PrefixForest], int]]]:
         """The owned rows and their tree calls: ``[(calls, forests, rope_length)]``, one entry per
         padded width where a length-dependent RoPE needs it (``split_by_width``; else one entry at
@@ -208,7 +208,7 @@ class TreeWindow:
         return [f for _, forests, _ in self._layout[1] for f in forests] if self._layout else []
 
     # ------------------------------------------------------------------ passes
-    @record_function("trl_tree.window.forward")
+    @profiled("trl_tree.window.forward")
     def forward(self, name: str, score: Score, backward: Backward | None, device: torch.device) -> None:
         """Run a pass's forward on the owned trees and bring each row's results home; ``backward``
         (None for a forward-only pass) runs at :meth:`backward` with the rows' loss gradients."""
@@ -218,7 +218,7 @@ class TreeWindow:
         results = _summed(score(owned, calls, forests, rope_length) for calls, forests, rope_length in groups)
         self._bring_home(name, results, backward, device)
 
-    @record_function("trl_tree.window.one_pass")
+    @profiled("trl_tree.window.one_pass")
     def one_pass(self, name: str, constants: list[torch.Tensor], run: OnePass, device: torch.device) -> None:
         """A pass whose loss is a sum of per-token terms (``separable_loss``): each micro-step's
         per-token ``constants`` (padded ``(B, T, K)`` on its rows) go to the trees' owners, which run
@@ -241,7 +241,7 @@ class TreeWindow:
         # every rank ran ``run`` (if only on nothing), so every rank knows the kinds: no agreement needed
         self._bring_home(name, results, None, device, [None if r is None else r.dtype for r in results])
 
-    @record_function("trl_tree.window.bring_home")
+    @profiled("trl_tree.window.bring_home")
     def _bring_home(self, name: str, results: list[torch.Tensor | None] | None, backward: Backward | None,
                     device: torch.device, dtypes: list[torch.dtype | None] | None = None) -> None:
         """Send each owned row's per-token ``results`` to the row's home rank; keep them as the pass
@@ -273,7 +273,7 @@ class TreeWindow:
             if g is not None:
                 kept[k] = g.detach() if kept[k] is None else kept[k] + g.detach()
 
-    @record_function("trl_tree.window.backward")
+    @profiled("trl_tree.window.backward")
     def backward(self, device: torch.device) -> None:
         """Send every pass's gradients to the trees' owners and run each pass's tree backward."""
         owned, groups = self.layout(device)
@@ -311,7 +311,7 @@ class TreeWindow:
             return []
         return [next((d[k] for d in every if d[k] is not None), None) for k in range(len(every[0]))]
 
-    @record_function("trl_tree.window.exchange")
+    @profiled("trl_tree.window.exchange")
     def _send(self, flat: torch.Tensor | None, to_owners: bool, device: torch.device,
               dtype: torch.dtype) -> list[torch.Tensor]:
         """Move per-token values between the rows' two places: from the trees' owners to the rows'
