@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="profile each mode's last optimizer step (torch profiler, CPU and CUDA) and write its "
-                             "operator tables to DIR/MODE_rankR.txt")
+                             "operator tables to DIR/MODE_rankR.txt, and to DIR/MODE_rankR.json where the GPU idles "
+                             "(by the package's range the host is in) and the host's synchronisations (by Python stack)")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     if args.algo == "ppo" and args.critic == "adapter" and not args.lora:
