@@ -24,6 +24,19 @@ import torch
 from ._inputs import SequenceLike, normalize_score_from, normalize_sequences
 
 
+def trie_key(sequence) -> bytes:
+    """A sort key that orders token sequences as a trie's leaves (lexicographically, a prefix before
+    its extensions): big-endian fixed-width bytes compare as the ids do, and compare in C (memcmp)."""
+    return np.asarray(sequence, dtype=np.int64).astype(">i8").tobytes()
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens the id arrays ``a`` and ``b`` share."""
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
 @dataclass(frozen=True)
 class ScoringPlan:
     """Which unique predictions a call needs and how to spread them back over the sequences.
@@ -91,8 +104,8 @@ class PrefixForest:
     def _build(cls, arrays: list[np.ndarray], device: torch.device | None, share_prefixes: bool = True) -> PrefixForest:
         n = len(arrays)
         # Any total order in which sequences sharing a prefix are contiguous and a prefix precedes
-        # its extensions is a DFS leaf order; big-endian fixed-width bytes give one, compared by memcmp.
-        keys = [a.astype(">i8").tobytes() for a in arrays]
+        # its extensions is a DFS leaf order; ``trie_key`` gives one.
+        keys = [trie_key(a) for a in arrays]
         order = sorted(range(n), key=keys.__getitem__)
 
         # Node table, in creation order. A node is (source sequence, start depth, end depth).

@@ -63,8 +63,7 @@ def tree_causal_conv(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             raise ValueError("a walk unit padded to buckets (CUDA graphs) does not run convolutions")
         sources, ancestors = _unit_sources(meta, layer, k, inputs)
     taps = weight[:, 0, :].flip(-1).t()  # [k, C]: row j weighs the ancestor j steps up (tap i: k - 1 - i back)
-    gathered = sources.to(weight.dtype).index_select(0, ancestors.reshape(-1)).view(*ancestors.shape, -1)
-    out = torch.einsum("ukc,kc->uc", gathered, taps)  # index_select: its backward adds, indexing's sorts
+    out = torch.einsum("ukc,kc->uc", index_rows(sources.to(weight.dtype), ancestors), taps)
     if bias is not None:
         out = out + bias
     return out
@@ -145,3 +144,9 @@ def unit_ancestors(meta, k: int, low: int) -> torch.Tensor:
                             torch.where(slot >= low, slot - low, torch.full_like(slot, prefix + n)))
         cache[(k, low)] = table
     return table
+
+
+def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for an index of any shape, through ``index_select``: its backward adds into the
+    rows (an index_add), where advanced indexing's sorts the indices first."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])

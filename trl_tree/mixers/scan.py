@@ -34,6 +34,7 @@ import torch
 
 from .._device import upload
 from ..attention.metadata import TreeAttentionMetadata
+from .conv import index_rows
 
 ZERO, CARRIED = -2, -1  # a segment's initial state: zero (a root), the state the call starts from
 
@@ -168,17 +169,12 @@ def scan_segments(seg: Segments, inputs: list[torch.Tensor], scan: Callable, car
     # index_select, not advanced indexing: its backward is an index_add, where indexing's sorts the indices
     for rows, real, sources in zip(seg.rows, seg.real, seg.sources):
         initial = torch.cat(pool).index_select(0, sources)
-        out, final = scan(*(_rows(x, rows) for x in padded_inputs), initial)
+        out, final = scan(*(index_rows(x, rows) for x in padded_inputs), initial)
         outs.append(out.flatten(0, 1).index_select(0, real))
         pool.append(final)
         if first is None:
             first = final[0]
     return torch.cat(outs).index_select(0, seg.order), first
-
-
-def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` for a 2-D index ``rows``."""
-    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
 
 
 # --------------------------------------------------------------------------- the walk's state stack

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .._device import upload
+from ..forest import common_prefix, trie_key
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
@@ -110,12 +111,6 @@ def take_rows(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
     return out
 
 
-def trie_key(sequence) -> bytes:
-    """A sort key that orders token sequences as a trie's leaves (lexicographically, a prefix before
-    its extensions): big-endian fixed-width bytes compare as the ids do, and compare in C."""
-    return np.asarray(sequence, dtype=np.int64).astype(">i8").tobytes()
-
-
 def split_into_calls(sequences: Sequence, budget: int | None) -> list[list[int]]:
     """Cut rows (lists or int arrays of token ids) into tree calls of at most ``budget`` unique
     tokens each (all in one call if None).
@@ -134,12 +129,7 @@ def split_into_calls(sequences: Sequence, budget: int | None) -> list[list[int]]
     used = 0
     for i in order:
         seq = np.asarray(sequences[i], dtype=np.int64)
-        shared = 0
-        if current:
-            prev = np.asarray(sequences[current[-1]], dtype=np.int64)
-            limit = min(len(prev), len(seq))
-            differ = np.flatnonzero(prev[:limit] != seq[:limit])
-            shared = int(differ[0]) if differ.size else limit
+        shared = common_prefix(np.asarray(sequences[current[-1]], dtype=np.int64), seq) if current else 0
         cost = len(seq) - shared
         if current and used + cost > budget:
             calls.append(current)

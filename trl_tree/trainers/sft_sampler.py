@@ -26,16 +26,12 @@ import logging
 import numpy as np
 from torch.utils.data import Sampler
 
+from ..forest import common_prefix, trie_key
+
 logger = logging.getLogger(__name__)
 
 #: above this many samples the construction estimate reads a random subset of this size
 ESTIMATE_SAMPLES = 20000
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class SampleTrie:
@@ -45,12 +41,12 @@ class SampleTrie:
     def __init__(self, sequences: list[np.ndarray]):
         self.sequences = [np.asarray(s, dtype=np.int64) for s in sequences]
         self.lengths = np.array([s.size for s in self.sequences], dtype=np.int64)
-        keys = [s.astype(">i8").tobytes() for s in self.sequences]  # big-endian: byte order is token order
+        keys = [trie_key(s) for s in self.sequences]
         self.order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
         # lcp[k]: common prefix of order[k - 1] and order[k]; lcp[0] = 0
         self.lcp = np.zeros(len(self.order), dtype=np.int64)
         for k in range(1, len(self.order)):
-            self.lcp[k] = _lcp(self.sequences[self.order[k - 1]], self.sequences[self.order[k]])
+            self.lcp[k] = common_prefix(self.sequences[self.order[k - 1]], self.sequences[self.order[k]])
 
     def random_dfs(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """``(samples, lcp)``: the samples in a random depth-first order of the trie (children of

@@ -38,10 +38,10 @@ import torch
 
 from .._profiling import profiled
 from ..cost_model import StepCost, step_flops
-from ..forest import PrefixForest
+from ..forest import PrefixForest, trie_key
 from .balance import balance, imbalance
 from .exchange import RankExchange
-from .grouping import split_into_calls, trie_key
+from .grouping import split_into_calls
 from .rows import PaddedRows
 
 #: busiest rank over mean above which a tree is cut in two to balance the ranks
@@ -194,8 +194,8 @@ class TreeWindow:
             groups = []
             for width in sorted(by_width):
                 index = by_width[width]
-                arrays = [self.rows[scored[i]].tokens for i in index]
-                calls = [[index[j] for j in call] for call in split_into_calls(arrays, self.token_budget)]
+                calls = [[index[j] for j in call] for call in split_into_calls([owned.host[i] for i in index],
+                                                                                 self.token_budget)]
                 # built from the host's arrays: the device copies are not read back
                 groups.append((calls, [PrefixForest.from_sequences([owned.host[i] for i in c]) for c in calls],
                                width))
