@@ -173,7 +173,11 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
         for k, v in entry.items():
             if k.startswith("tree/"):
                 metrics.setdefault(k, []).append(float(v))
-    torch.save({"params": params, "metrics": metrics,
+    # the by-hand averages' all-reduces: on a communicator of their own, not the default group, where
+    # TRL's metric gathers would queue behind them (trainers/exchange.reduction_group)
+    groups = [a._all_reduce.keywords.get("group") for a in trainer.__dict__.get("_tree_averagers", {}).values()]
+    own_group = [g is not None and g is not torch.distributed.group.WORLD for g in groups]
+    torch.save({"params": params, "metrics": metrics, "averagers_on_own_group": own_group,
                 "distributed_type": trainer.accelerator.distributed_type.value,
                 "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())},
                os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))

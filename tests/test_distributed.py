@@ -146,6 +146,8 @@ def test_windows_two_processes_equal_one_process(launched):
             assert max(metrics[0]["tree/rank_imbalance"]) <= 1.05
             if algo == "grpo":  # its reference (beta) and old-policy (2 iterations) passes were placed too
                 assert "tree/rank_imbalance_forward" in metrics[0]
+            # the window's backward was averaged by hand, on the averages' own communicator
+            assert two[0]["averagers_on_own_group"] and all(two[0]["averagers_on_own_group"]), run
     # whole trees share more than each process's micro-batches did
     def dedup(run):
         return [torch.load(launched / f"win-{run}-p2_rank{r}.pt")["metrics"]["tree/dedup_ratio"][0] for r in (0, 1)]

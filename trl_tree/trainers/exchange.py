@@ -17,8 +17,8 @@ class RankExchange:
     collectives run on ``group`` (default: the default group).
 
     Why a group of its own (:func:`exchange_group`): a window's trees are walked while the
-    gradients' all-reduces they make final are in flight on the default group
-    (``grad_sync.GradientAverager``), and a rank that owns no tree launches its all-reduces only
+    gradients' all-reduces they make final are in flight (``grad_sync.GradientAverager``, on
+    :func:`reduction_group`), and a rank that owns no tree launches its all-reduces only
     later. Collectives of one group must be issued in the same order on every rank, so the
     window's exchanges, which every rank issues at the same points, go on another."""
 
@@ -56,17 +56,43 @@ class RankExchange:
 
 
 _EXCHANGE_GROUPS: dict[int, object] = {}
+_REDUCTION_GROUPS: dict[int, object] = {}
+
+
+def _own_group(groups: dict[int, object]):
+    """A communicator over every rank of the default group, made once per default group (a later
+    init gets its own) and kept in ``groups``; None on one process. Making it is a collective call."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() == 1:
+        return None
+    key = id(torch.distributed.group.WORLD)
+    if key not in groups:
+        groups[key] = torch.distributed.new_group()
+    return groups[key]
 
 
 def exchange_group():
     """The process group of the windows' exchanges (every rank of the default group, a communicator
     of their own), made on first use — a collective call, which every rank makes when its first
     window opens; None on one process."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    if torch.distributed.get_world_size() == 1:
-        return None
-    key = id(torch.distributed.group.WORLD)  # a new default group (a later init) gets its own
-    if key not in _EXCHANGE_GROUPS:
-        _EXCHANGE_GROUPS[key] = torch.distributed.new_group()
-    return _EXCHANGE_GROUPS[key]
+    return _own_group(_EXCHANGE_GROUPS)
+
+
+def reduction_group(device: torch.device | None = None):
+    """The process group of the gradient average the trainers do by hand (``grad_sync``), made by
+    every rank when its trainer is built; None on one process.
+
+    Why not the default group: collectives of one group run one after another, and TRL's loss
+    gathers its metrics on the default group at every micro-step. A one-pass window's backward runs
+    at the window's first micro-step; its all-reduces can then finish while the later micro-steps
+    run TRL's loss on the host — unless each of those gathers must first wait for every gradient
+    bucket queued before it. ``device``: where one small all-reduce makes the communicator right
+    away (NCCL makes it at first use, which would otherwise be inside a rank's backward, waiting
+    there for ranks that reach theirs later)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    made = not initialized or id(torch.distributed.group.WORLD) in _REDUCTION_GROUPS
+    group = _own_group(_REDUCTION_GROUPS)
+    if group is not None and not made:
+        torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
+    return group

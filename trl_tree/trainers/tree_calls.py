@@ -13,6 +13,7 @@ of what the tree cannot compute exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
@@ -30,6 +31,7 @@ from ..fsdp import gathered, reduce_gradients, root_unsharded
 from ..model_parts import active_dropout, model_parts, trainable_parameters
 from ..packed import takes_padded_path
 from .bridge import bridge
+from .exchange import reduction_group
 from .grad_sync import GradientAverager
 from .grouping import group_cost, split_into_calls
 from .rows import PaddedRows
@@ -47,6 +49,9 @@ class TreeCallsMixin:
         self._tree_layout_cache = None
         self._tree_fsdp_pending = False  # FSDP2: gradients of the engine's backward await their reduction
         self._check_tree_support()
+        # the by-hand gradient average's communicator, made here, where every rank passes at once
+        self._tree_reduce_group = (reduction_group(self.accelerator.device)
+                                   if self.accelerator.num_processes > 1 and not self._fsdp2() else None)
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
@@ -413,7 +418,9 @@ class TreeCallsMixin:
         if key not in averagers:
             chosen = trainable_parameters(model) if params is None else params
             cap_mb = getattr(self.args, "ddp_bucket_cap_mb", None) or 25  # DDP's knob and default
-            averagers[key] = GradientAverager(chosen, self.accelerator.num_processes, bucket_bytes=int(cap_mb * 2**20))
+            group = self.__dict__.get("_tree_reduce_group")  # None: the default group
+            averagers[key] = GradientAverager(chosen, self.accelerator.num_processes, bucket_bytes=int(cap_mb * 2**20),
+                                              all_reduce=functools.partial(torch.distributed.all_reduce, group=group))
         return averagers[key]
 
     def _arming(self, model, last: bool, params=None, closes_step: bool | None = None):
@@ -463,13 +470,16 @@ class TreeCallsMixin:
 
     def _add_step_time(self, started: float, loss: torch.Tensor, step_done: bool, excluded: float = 0.0) -> None:
         """``tree/fwd_bwd_time``: the seconds of an optimizer step's micro-steps since ``started``
-        (less ``excluded``: generation and scoring in the RL trainers), the GPU's queue drained, so
-        that the time is the work's and not its launch; logged at the step's last micro-step
+        (less ``excluded``: generation and scoring in the RL trainers), the compute stream's queue
+        drained, so that the time is the work's and not its launch — that stream's only: a device-wide
+        wait would also wait for the gradient all-reduces a one-pass window's backward started, which
+        can instead finish while the window's later micro-steps run on the host (the step's last
+        micro-step waits for them before the optimizer step, so the step's time includes them); logged at the step's last micro-step
         (``step_done``). Every trainer and ``tree_mode`` logs it: a ``tree_mode='off'`` run is the
         baseline the docs compare against."""
-        if loss.device.type == "cuda":
-            with record_function("trl_tree.step_timer"):
-                torch.cuda.synchronize(loss.device)
+        if loss.device.type == "cuda":  # this stream's queue, not the device's: the gradient all-reduces in
+            with record_function("trl_tree.step_timer"):  # flight on their own streams go on (the step waits
+                torch.cuda.current_stream(loss.device).synchronize()  # for them where it needs them)
         self._tree_step_seconds = getattr(self, "_tree_step_seconds", 0.0) + time.perf_counter() - started - excluded
         if step_done:
             self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
