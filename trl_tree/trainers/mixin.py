@@ -271,11 +271,16 @@ class TreeTrainerMixin(TreeCallsMixin):
         if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
             self._tree_sync_pending = False
             self._sync_gradients(self._unwrapped(model))
+        self._sync_other_gradients()
         if self.args.tree_mode != "off":
             self._check_finite(model, loss)
         self._add_step_time(start, loss, self._step % self.current_gradient_accumulation_steps == 0,
                             self._tree_prepare_seconds)
         return loss
+
+    def _sync_other_gradients(self) -> None:
+        """Average, at an optimizer step's last micro-step, the gradients of what trains beside the
+        policy outside DDP (PPO's critic); inside the step's timed part, before the checks."""
 
     @profiled("trl_tree.check_finite")
     def _check_finite(self, model, loss: torch.Tensor) -> None:

@@ -429,12 +429,13 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         if self.critic.model is not None:
             self.critic.model.train(self.model.training)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _sync_other_gradients(self) -> None:
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
             # the critic is never under DDP: its gradients, accumulated over the window, averaged once
             # (the buckets its last backward did not already send: _tree_values_backward's arming)
             self._averager(self.critic, self._critic_params()).finish()
-        return loss
 
     def _critic_params(self) -> list[torch.nn.Parameter]:
         """The critic's trainable parameters (value model or adapter, and head), averaged by hand."""
