@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
                              "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +twopass "
-                             "tree_one_pass=False; +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without mixed precision (the launcher's "
+                             "tree_one_pass=False; +sharedgroup the by-hand average on the default group and the step timer waiting for "
+                             "the whole device (as before the average had a communicator of its own, to measure "
+                             "that); +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without mixed precision (the launcher's "
                              "mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
@@ -377,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer = trainer_cls(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
                                   rollout_func=rollout, **extra)
+            if "+sharedgroup" in flags:  # the average on the default group, the timer waiting for the device
+                trainer._tree_reduce_group, trainer._tree_timer_waits_for_device = None, True
             capture = GradientCapture() if args.update_check else None
             if capture is not None:
                 trainer.add_callback(capture)

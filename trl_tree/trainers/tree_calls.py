@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 class TreeCallsMixin:
     """Mixed in before a TRL trainer; the trainer calls ``_setup_tree()`` at the end of its ``__init__``."""
 
+    #: the step timer waits for the whole device, not the compute stream (``bench.trainer``'s
+    #: ``+sharedgroup``, which measures what the stream's wait and the average's own communicator buy)
+    _tree_timer_waits_for_device = False
+
     # ------------------------------------------------------------------ construction
     def _setup_tree(self) -> None:
         """Refuse what the tree cannot compute, compile the layers where asked."""
@@ -479,7 +483,10 @@ class TreeCallsMixin:
         baseline the docs compare against."""
         if loss.device.type == "cuda":  # this stream's queue, not the device's: the gradient all-reduces in
             with record_function("trl_tree.step_timer"):  # flight on their own streams go on (the step waits
-                torch.cuda.current_stream(loss.device).synchronize()  # for them where it needs them)
+                if self._tree_timer_waits_for_device:  # for them where it needs them)
+                    torch.cuda.synchronize(loss.device)
+                else:
+                    torch.cuda.current_stream(loss.device).synchronize()
         self._tree_step_seconds = getattr(self, "_tree_step_seconds", 0.0) + time.perf_counter() - started - excluded
         if step_done:
             self._metrics["train"]["tree/fwd_bwd_time"].append(self._tree_step_seconds)
