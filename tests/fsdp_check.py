@@ -108,12 +108,15 @@ def main(out_path: str) -> None:
     for policy in POLICIES:
         model = _sharded(policy, mesh, reference.state_dict())
         groups = len(fsdp_modules(model))
-        # (mode, calls per micro-step): a token budget cuts a micro-batch's rows into calls, as the trainers do
-        runs = (("packed", "packed", 1), ("budget", "packed", 2), ("dfs", "dfs", 1))
-        for run, mode, calls in runs:
+        # (run, mode, calls per micro-step, reduce while gathered): a token budget cuts a micro-batch's rows
+        # into calls, as the trainers do; the trainers reduce inside the step's last gathered block
+        runs = (("packed", "packed", 1, False), ("budget", "packed", 2, False), ("dfs", "dfs", 1, False),
+                ("packed-reduced-gathered", "packed", 1, True), ("dfs-reduced-gathered", "dfs", 1, True))
+        for run, mode, calls, inside in runs:
             model.zero_grad(set_to_none=True)
             for key in counts:
                 counts[key] = 0
+            gathers = None
             for micro in range(2):
                 seqs = data[rank][micro]
                 step = -(-len(seqs) // calls)
@@ -124,8 +127,12 @@ def main(out_path: str) -> None:
 
                         tree_backward(model, PrefixForest.from_sequences(seqs[start:start + step]), token_loss,
                                       score_from=2, mode=mode, chunk_size=3 if mode == "dfs" else None)
-            gathers = counts["all_gather"]
-            reduce_gradients(model, torch.device("cpu"))
+                    if inside and micro == 1:
+                        gathers = counts["all_gather"]
+                        reduce_gradients(model, torch.device("cpu"))
+            if not inside:
+                gathers = counts["all_gather"]
+                reduce_gradients(model, torch.device("cpu"))
             results[(policy, run)] = {"errors": _errors(model, expected["two"]), "gathers": gathers,
                                       "reduce_gathers": counts["all_gather"] - gathers,
                                       "reduce_scatters": counts["reduce_scatter"], "groups": groups,

@@ -47,8 +47,14 @@ def test_fsdp2_walk_gathers_once_and_reduces_once_under_mixed_precision(tmp_path
             assert r["reduce_scatters"] == r["groups"], f"{policy}/{run}: {r['reduce_scatters']} reductions"
             # the reduce step's one-token forward gathers each group once, its backward not again
             assert r["reduce_gathers"] == r["groups"], f"{policy}/{run}: {r['reduce_gathers']} gathers to reduce"
+        for run in ("packed-reduced-gathered", "dfs-reduced-gathered"):  # the trainers' way: no gather to reduce
+            r = results[(policy, run)]
+            assert r["gathers"] == 2 * r["groups"] and r["reduce_scatters"] == r["groups"], (policy, run, r)
+            assert r["reduce_gathers"] == 0, f"{policy}/{run}: {r['reduce_gathers']} gathers to reduce"
+            assert r["sharded"] == "DTensor"
         assert results[(policy, "one-pass")]["sharded_after"] == "DTensor"
-        for run, untreed in (("packed", "two"), ("budget", "two"), ("dfs", "two"), ("one-pass", "one")):
+        for run, untreed in (("packed", "two"), ("budget", "two"), ("dfs", "two"), ("one-pass", "one"),
+                             ("packed-reduced-gathered", "two"), ("dfs-reduced-gathered", "two")):
             worst = _worst(results[(policy, run)])
             if policy.startswith("bf16"):  # DESIGN's bf16 rule, against the untreed bf16 path's own error
                 bound = 1.5 * _worst(results[(policy, f"untreed-{untreed}")])

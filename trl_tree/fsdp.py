@@ -10,11 +10,13 @@ So, around the engine's backward:
 * :func:`gathered` unshards every FSDP module once and keeps it unsharded (reshard after forward
   and after backward off) with gradient sync off, so the calls accumulate full-size gradients
   locally, and restores the modules' settings after;
-* :func:`reduce_gradients`, at an optimizer step's last micro-step, reduce-scatters what was
-  accumulated in one collective per parameter group: a one-token forward of the model, its output
-  times zero, backward with sync on (FSDP2 reduces the accumulated gradients with that backward's
-  own, which are zero). The parameters stay unsharded from that forward to its backward, so the
-  model is gathered once for it, not again for the backward.
+* :func:`reduce_gradients`, once per optimizer step, reduce-scatters what was accumulated in one
+  collective per parameter group: a one-token forward of the model, its output times zero,
+  backward with sync on (FSDP2 reduces the accumulated gradients with that backward's own, which
+  are zero). The parameters stay unsharded from that forward to its backward. The trainers call it
+  inside :func:`gathered`, with the calls that close the step, so it gathers nothing at all; where
+  those calls run inside another backward (where FSDP2's own cannot), at the step's last
+  micro-step, gathering the model once for it.
 
 The price is the full parameters in memory during the walk (2 bytes per parameter in bf16),
 which is what "gather once per step" means.

@@ -386,13 +386,24 @@ class TreeCallsMixin:
         overlapped average (``_arming``; ``closes_step`` as there). ``coupled``: the loss couples
         each sequence's terms (``tree_backward(coupled=...)``, one group per sequence)."""
         final = sync if final is None else final
-        with self.accelerator.autocast(), gathered(model) if self._fsdp2() else contextlib.nullcontext():
+        fsdp2 = self._fsdp2()
+        # FSDP2: where these calls close the optimizer step, its one reduction runs while the parameters
+        # are still gathered, so it gathers nothing again; else it waits for the step's last micro-step.
+        # Not inside another backward (the two-pass bridge's, where autograd is off): FSDP2's own
+        # backward, which the reduction is, cannot run there
+        reduce_here = final and (self.accelerator.sync_gradients if closes_step is None else closes_step) \
+            and fsdp2 and torch.is_grad_enabled()
+        with self.accelerator.autocast(), gathered(model) if fsdp2 else contextlib.nullcontext():
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 with self._arming(model, final and i == len(calls) - 1, closes_step=closes_step):
                     groups = {"coupled": np.arange(len(call))} if coupled else {}
                     tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
                                   with_entropy=with_entropy, router=router, value_head=value_head, **groups, **kwargs)
+            if reduce_here:
+                reduce_gradients(model, self.accelerator.device)
+        if fsdp2:
+            self._tree_fsdp_pending = not reduce_here
         if final:
             self._flush_average(model, closes_step=closes_step)
         if sync:
@@ -456,9 +467,9 @@ class TreeCallsMixin:
         (``grad_sync.GradientAverager``: the buckets the step's last backward did not already send,
         then the wait for all).
         Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.fsdp.gathered``);
-        their one reduction runs in ``training_step``, outside autograd's backward."""
+        their one reduction ran with the step's closing calls (``_walk_calls``), or runs in
+        ``training_step`` (``_reduce_pending``), outside autograd's backward."""
         if self._fsdp2():
-            self._tree_fsdp_pending = True
             return
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
