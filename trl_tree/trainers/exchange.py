@@ -59,24 +59,26 @@ _EXCHANGE_GROUPS: dict[int, object] = {}
 _REDUCTION_GROUPS: dict[int, object] = {}
 
 
-def _own_group(groups: dict[int, object]):
+def _own_group(groups: dict[int, object]) -> tuple[object | None, bool]:
     """A communicator over every rank of the default group, made once per default group (a later
-    init gets its own) and kept in ``groups``; None on one process. Making it is a collective call."""
+    init gets its own) and kept in ``groups``, and whether this call made it; None on one process.
+    Making it is a collective call."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
+        return None, False
     if torch.distributed.get_world_size() == 1:
-        return None
+        return None, False
     key = id(torch.distributed.group.WORLD)
-    if key not in groups:
+    made = key not in groups
+    if made:
         groups[key] = torch.distributed.new_group()
-    return groups[key]
+    return groups[key], made
 
 
 def exchange_group():
     """The process group of the windows' exchanges (every rank of the default group, a communicator
     of their own), made on first use — a collective call, which every rank makes when its first
     window opens; None on one process."""
-    return _own_group(_EXCHANGE_GROUPS)
+    return _own_group(_EXCHANGE_GROUPS)[0]
 
 
 def reduction_group(device: torch.device | None = None):
@@ -90,9 +92,7 @@ def reduction_group(device: torch.device | None = None):
     bucket queued before it. ``device``: where one small all-reduce makes the communicator right
     away (NCCL makes it at first use, which would otherwise be inside a rank's backward, waiting
     there for ranks that reach theirs later)."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    made = not initialized or id(torch.distributed.group.WORLD) in _REDUCTION_GROUPS
-    group = _own_group(_REDUCTION_GROUPS)
-    if group is not None and not made:
+    group, made = _own_group(_REDUCTION_GROUPS)
+    if made:
         torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
     return group

@@ -489,12 +489,12 @@ class TreeCallsMixin:
         drained, so that the time is the work's and not its launch — that stream's only: a device-wide
         wait would also wait for the gradient all-reduces a one-pass window's backward started, which
         can instead finish while the window's later micro-steps run on the host (the step's last
-        micro-step waits for them before the optimizer step, so the step's time includes them); logged at the step's last micro-step
-        (``step_done``). Every trainer and ``tree_mode`` logs it: a ``tree_mode='off'`` run is the
-        baseline the docs compare against."""
-        if loss.device.type == "cuda":  # this stream's queue, not the device's: the gradient all-reduces in
-            with record_function("trl_tree.step_timer"):  # flight on their own streams go on (the step waits
-                if self._tree_timer_waits_for_device:  # for them where it needs them)
+        micro-step waits for them before the optimizer step, so the step's time includes them);
+        logged at the step's last micro-step (``step_done``). Every trainer and ``tree_mode`` logs
+        it: a ``tree_mode='off'`` run is the baseline the docs compare against."""
+        if loss.device.type == "cuda":
+            with record_function("trl_tree.step_timer"):
+                if self._tree_timer_waits_for_device:
                     torch.cuda.synchronize(loss.device)
                 else:
                     torch.cuda.current_stream(loss.device).synchronize()
