@@ -118,3 +118,21 @@ def test_overlapped_average_equals_the_average_wherever_it_is_armed():
     script = os.path.join(os.path.dirname(__file__), "grad_overlap_check.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_overlapped_averager_does_not_keep_the_model_alive():
+    """Its hooks live on the parameters, where the garbage collector does not look: they must not
+    hold the averager, or a finished trainer's averager and every parameter it lists stay in
+    memory (seen as one model's worth more at each mode of a multi-GPU bench)."""
+    import gc
+    import weakref
+
+    from trl_tree.trainers.grad_sync import GradientAverager
+
+    model = torch.nn.Linear(4, 4)
+    averager = GradientAverager(model.parameters(), 2, all_reduce=lambda t, async_op=False: None)
+    alive = [weakref.ref(x) for x in (model, model.weight, averager)]
+    model(torch.randn(2, 4)).sum().backward()
+    del model, averager
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True, True]

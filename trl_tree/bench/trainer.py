@@ -264,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                              "micro-batch and rank, stock TRL's distribution), +window tree_window='accumulation' "
                              "(trees per accumulation window, placed on ranks by cost); neither: tree_window='auto'; "
                              "+budget=N sets tree_token_budget=N; +nooverlap tree_overlap_reduction=False; +twopass "
-                             "tree_one_pass=False; +sharedgroup the by-hand average on the default group and the step timer waiting for "
-                             "the whole device (as before the average had a communicator of its own, to measure "
-                             "that); +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without mixed precision (the launcher's "
-                             "mixed_precision is overridden for that mode); "
+                             "tree_one_pass=False; +sharedgroup the by-hand average on the default group and the "
+                             "step timer waiting for the whole device (as before the average had a communicator of "
+                             "its own, to measure that); +ctas=N, +hipri: the average's communicator with NCCL's "
+                             "maxCTAs=N, on a high-priority stream; +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB "
+                             "tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without "
+                             "mixed precision (the launcher's mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
     parser.add_argument("--per-device", type=int, default=None,
                         help="per_device_train_batch_size (default: --group, one group per micro-step); smaller "
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..tiny import shaped_config
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
+    from ..trainers.exchange import reduction_group
 
     config = shaped_config(args.size, args.family)
     tok = bench_tokenizer(config.vocab_size)
@@ -381,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                                   rollout_func=rollout, **extra)
             if "+sharedgroup" in flags:  # the average on the default group, the timer waiting for the device
                 trainer._tree_reduce_group, trainer._tree_timer_waits_for_device = None, True
+            max_ctas = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("ctas=")), None)
+            if (max_ctas is not None or "+hipri" in flags) and trainer._tree_reduce_group is not None:
+                trainer._tree_reduce_group = reduction_group(trainer.accelerator.device, max_ctas, "+hipri" in flags)
             capture = GradientCapture() if args.update_check else None
             if capture is not None:
                 trainer.add_callback(capture)

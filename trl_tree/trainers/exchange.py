@@ -55,22 +55,31 @@ class RankExchange:
         return list(out.split(list(recv_sizes)))
 
 
-_EXCHANGE_GROUPS: dict[int, object] = {}
-_REDUCTION_GROUPS: dict[int, object] = {}
+_EXCHANGE_GROUPS: dict[tuple, object] = {}
+_REDUCTION_GROUPS: dict[tuple, object] = {}
 
 
-def _own_group(groups: dict[int, object]) -> tuple[object | None, bool]:
+def _own_group(groups: dict[tuple, object], max_ctas: int | None = None,
+               high_priority: bool = False) -> tuple[object | None, bool]:
     """A communicator over every rank of the default group, made once per default group (a later
-    init gets its own) and kept in ``groups``, and whether this call made it; None on one process.
-    Making it is a collective call."""
+    init gets its own) and NCCL settings, kept in ``groups``, and whether this call made it; None on
+    one process. Making it is a collective call. ``max_ctas``, ``high_priority``: NCCL's
+    ``maxCTAs`` and a high-priority stream (ignored by other backends)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None, False
     if torch.distributed.get_world_size() == 1:
         return None, False
-    key = id(torch.distributed.group.WORLD)
+    key = (id(torch.distributed.group.WORLD), max_ctas, high_priority)
     made = key not in groups
     if made:
-        groups[key] = torch.distributed.new_group()
+        options = None
+        if (max_ctas is not None or high_priority) and torch.distributed.get_backend() == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+            if max_ctas is not None:
+                config = options.config
+                config.max_ctas = max_ctas
+                options.config = config
+        groups[key] = torch.distributed.new_group(pg_options=options)
     return groups[key], made
 
 
@@ -81,7 +90,7 @@ def exchange_group():
     return _own_group(_EXCHANGE_GROUPS)[0]
 
 
-def reduction_group(device: torch.device | None = None):
+def reduction_group(device: torch.device | None = None, max_ctas: int | None = None, high_priority: bool = False):
     """The process group of the gradient average the trainers do by hand (``grad_sync``), made by
     every rank when its trainer is built; None on one process.
 
@@ -91,8 +100,10 @@ def reduction_group(device: torch.device | None = None):
     run TRL's loss on the host — unless each of those gathers must first wait for every gradient
     bucket queued before it. ``device``: where one small all-reduce makes the communicator right
     away (NCCL makes it at first use, which would otherwise be inside a rank's backward, waiting
-    there for ranks that reach theirs later)."""
-    group, made = _own_group(_REDUCTION_GROUPS)
+    there for ranks that reach theirs later). ``max_ctas``, ``high_priority``: NCCL settings of the
+    communicator (``bench.trainer``'s ``+ctas=N``, ``+hipri``: how many SMs the overlapped all-reduces
+    may take from the backward they run beside, and whether they go first when SMs free up)."""
+    group, made = _own_group(_REDUCTION_GROUPS, max_ctas, high_priority)
     if made:
         torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
     return group

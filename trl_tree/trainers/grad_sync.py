@@ -14,6 +14,7 @@ would be promoted and each gradient rounded on the way back.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -123,19 +124,24 @@ class GradientAverager:
         return reduce(tensor, async_op=async_op)
 
     def _hook(self, i: int):
+        # a weak reference: a parameter's hooks are not seen by the garbage collector, so a strong
+        # one would keep this averager, and through it every parameter, alive after the trainer
+        averager = weakref.ref(self)
+
         def ready(param: torch.nn.Parameter) -> None:
-            if not self.armed:
+            owner = averager()
+            if owner is None or not owner.armed:
                 return  # not the step's last backward
-            self._present.add(i)
-            b = self.bucket_of[i]
-            if b in self._launched:  # accumulated after its bucket left: a tensor of its own (finish adds it)
-                self._late.add(b)
+            owner._present.add(i)
+            b = owner.bucket_of[i]
+            if b in owner._launched:  # accumulated after its bucket left: a tensor of its own (finish adds it)
+                owner._late.add(b)
                 return
-            waiting = self._waiting[b]
+            waiting = owner._waiting[b]
             waiting.discard(i)  # a set: a gradient accumulated twice counts once
             if not waiting:
-                self._full.add(b)
-                self._launch_in_order()
+                owner._full.add(b)
+                owner._launch_in_order()
         ready.skippable_in_replay = True  # a replayed backward skips it: finish() then launches the bucket
         return ready
 
