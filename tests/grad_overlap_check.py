@@ -2,7 +2,7 @@
 
 Each rank trains the same small model on its own data with three backward passes per step (as a
 walk's units or a window's calls). The averager is armed before the last pass (bit for bit the
-same sums), before the first (what the later passes add is reduced apart and added: equal up to
+same sums; also with every all-reduce held until after that pass), before the first (what the later passes add is reduced apart and added: equal up to
 rounding), or never; in one case a parameter only rank 0 trains; in another only rank 0 runs a
 backward at all (a window's rank that owns no tree), its last bucket final first (as a tied
 weight's is), and both ranks exchange on a group of their own (``RankExchange``'s) between rank
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from trl_tree.trainers.grad_sync import GradientAverager, average_gradients  # noqa: E402
 
-CASES = ("last", "first", "never", "unused_here", "idle_rank")
+CASES = ("last", "after", "first", "never", "unused_here", "idle_rank")
 
 
 def _passes(params, rank: int, case: str, arm=None) -> None:
@@ -34,7 +34,7 @@ def _passes(params, rank: int, case: str, arm=None) -> None:
     g = torch.Generator().manual_seed(100 + rank)
     layers = [(params[k], params[k + 1]) for k in range(2, 8, 2)]
     for step in range(3):
-        if arm is not None and step == {"last": 2, "first": 0, "idle_rank": 2}.get(case, -1):
+        if arm is not None and step == {"last": 2, "after": 2, "first": 0, "idle_rank": 2}.get(case, -1):
             arm()
         x = torch.randn(5, 8, generator=g)
         for k, (w, b) in enumerate(layers):
@@ -91,14 +91,15 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         layers = [torch.nn.Linear(4, 4), torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)]
         params = [p for layer in layers for p in layer.parameters()]
         reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        averager = GradientAverager(params, world, bucket_bytes=600)  # several buckets
+        averager = GradientAverager(params, world, bucket_bytes=600,  # several buckets
+                                    launch_in_backward=case != "after")  # after: every bucket at finish
         _passes(params, rank, case, averager.arm)
         if case == "idle_rank":  # the window's exchange while rank 0's buckets are in flight
             assert exchange.all_gather_object(rank) == list(range(world))
         averager.finish()
         buckets = averager.last_step["buckets"]
         # the bucket of the spare layer (the first, in reverse order) gets no gradient: it leaves at finish
-        expected = {"last": (buckets - 1, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0),
+        expected = {"last": (buckets - 1, 0), "after": (0, 0), "first": (buckets - 1, buckets - 1), "never": (0, 0),
                     "idle_rank": (buckets if rank == 0 else 0, 0)}.get(case)
         if expected is not None:  # last: the others left during the backward; first: each again at the end
             got = (averager.last_step["overlapped"], averager.last_step["again"])

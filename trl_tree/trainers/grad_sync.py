@@ -97,11 +97,16 @@ class GradientAverager:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], num_processes: int,
-                 bucket_bytes: int = 25 * 2**20, all_reduce: Callable | None = None):
+                 bucket_bytes: int = 25 * 2**20, all_reduce: Callable | None = None,
+                 launch_in_backward: bool = True):
         if num_processes < 1:
             raise ValueError(f"num_processes must be at least 1, got {num_processes}")
         self.params = [p for p in params if p.requires_grad]
         self.num_processes = num_processes
+        #: False: the armed backward only accumulates into the buckets, and ``flush`` launches every
+        #: all-reduce after it — none beside the backward's kernels, all of them during whatever
+        #: follows it before ``finish`` (a one-pass window's later micro-steps)
+        self.launch_in_backward = launch_in_backward
         self._all_reduce = all_reduce
         index = {id(p): i for i, p in enumerate(self.params)}
         self.buckets = [[index[id(p)] for p in bucket]
@@ -133,6 +138,8 @@ class GradientAverager:
             if owner is None or not owner.armed:
                 return  # not the step's last backward
             owner._present.add(i)
+            if not owner.launch_in_backward:
+                return  # flush() launches every bucket
             b = owner.bucket_of[i]
             if b in owner._launched:  # accumulated after its bucket left: a tensor of its own (finish adds it)
                 owner._late.add(b)

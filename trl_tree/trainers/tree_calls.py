@@ -45,6 +45,9 @@ class TreeCallsMixin:
     #: the step timer waits for the whole device, not the compute stream (``bench.trainer``'s
     #: ``+sharedgroup``, which measures what the stream's wait and the average's own communicator buy)
     _tree_timer_waits_for_device = False
+    #: the by-hand average's all-reduces start during the backward that makes their gradients final
+    #: (False: right after it; ``bench.trainer``'s ``+afterbwd``)
+    _tree_launch_in_backward = True
 
     # ------------------------------------------------------------------ construction
     def _setup_tree(self) -> None:
@@ -435,7 +438,8 @@ class TreeCallsMixin:
             cap_mb = getattr(self.args, "ddp_bucket_cap_mb", None) or 25  # DDP's knob and default
             group = self.__dict__.get("_tree_reduce_group")  # None: the default group
             averagers[key] = GradientAverager(chosen, self.accelerator.num_processes, bucket_bytes=int(cap_mb * 2**20),
-                                              all_reduce=functools.partial(torch.distributed.all_reduce, group=group))
+                                              all_reduce=functools.partial(torch.distributed.all_reduce, group=group),
+                                              launch_in_backward=self._tree_launch_in_backward)
         return averagers[key]
 
     def _arming(self, model, last: bool, params=None, closes_step: bool | None = None):
