@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                              "step timer waiting for the whole device (as before the average had a communicator of "
                              "its own, to measure that); +ctas=N, +hipri: the average's communicator with NCCL's "
                              "maxCTAs=N, on a high-priority stream; +afterbwd: its all-reduces launched right after "
-                             "the backward instead of during it; +bucket=MB ddp_bucket_cap_mb=MB; +mem=GIB "
+                             "the backward instead of during it; +noreduce: no gradient average at all (timing only: "
+                             "what the step costs without it; the ranks' updates differ); +bucket=MB "
+                             "ddp_bucket_cap_mb=MB; +mem=GIB "
                              "tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without "
                              "mixed precision (the launcher's mixed_precision is overridden for that mode); "
                              "@BACKEND (e.g. packed@torch_flash) sets tree_attn_backend (default auto)")
@@ -385,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                                   rollout_func=rollout, **extra)
             if "+sharedgroup" in flags:  # the average on the default group, the timer waiting for the device
                 trainer._tree_reduce_group, trainer._tree_timer_waits_for_device = None, True
+            if "+noreduce" in flags:  # timing only: no gradient average at all (each rank its own update)
+                trainer.args.tree_overlap_reduction = False
+                trainer._sync_gradients = lambda model: None
             if "+afterbwd" in flags:  # the average's all-reduces launched after the backward, not during it
                 trainer._tree_launch_in_backward = False
             max_ctas = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("ctas=")), None)
