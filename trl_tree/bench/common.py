@@ -257,6 +257,9 @@ def environment(kernels: str = "hf") -> dict:
         "kernels": _kernels_label(kernels),
         # what attn_backend="auto" may pick on a Hopper/Blackwell GPU (attention.backends.fa4_pays)
         "flash_attn_4": _version("flash-attn-4"),
+        # the host's intra-op threads: `accelerate launch` sets OMP_NUM_THREADS=1 per process where
+        # a plain `python` run takes every core, so one-process and launched runs differ here
+        "cpu_threads": torch.get_num_threads(),
     }
 
 
