@@ -71,12 +71,13 @@ def test_sliding_window_on_the_flash_path(monkeypatch):
 def test_window_mask_is_what_makes_it_exact():
     """The same window dropped from the tree's mask gives other numbers (the test above can fail)."""
     model = tiny_model("mistral", attn_implementation="eager", sliding_window=4)
-    meta_mask = TreeAttentionMetadata.dense_mask
-    try:
+    meta_mask, span_mask = TreeAttentionMetadata.dense_mask, TreeAttentionMetadata.span_mask
+    try:  # a forest's mask, and each tree's block of it (several trees: one block each)
         TreeAttentionMetadata.dense_mask = lambda self, window=None: meta_mask(self, None)
+        TreeAttentionMetadata.span_mask = lambda self, start, end, window=None: span_mask(self, start, end, None)
         out = tree_logprobs(model, SEQS, attn_backend="eager")
     finally:
-        TreeAttentionMetadata.dense_mask = meta_mask
+        TreeAttentionMetadata.dense_mask, TreeAttentionMetadata.span_mask = meta_mask, span_mask
     ref = untreed_logprobs(model, SEQS)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref) if a.numel()) > 1e-3
 

@@ -83,6 +83,30 @@ def test_split_layout_gives_every_query_its_visible_keys_once(seqs):
     assert layout.rectangle_pairs() + path_pairs == forest.sum_visible_keys()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=9), min_size=1, max_size=9))
+def test_the_reference_backends_attend_tree_by_tree(seqs):
+    """sdpa and eager (the CPU's path) attend one tree of the forest at a time (``metadata.spans``):
+    the spans tile the packed tokens, one per distinct first token, the forest's mask sees nothing
+    outside their blocks, each block is ``span_mask``'s, and the attention equals the forest-wide
+    masked one, with and without a sliding window."""
+    forest = PrefixForest.from_sequences(seqs)
+    meta = TreeAttentionMetadata.from_forest(forest, CPU, "sdpa")
+    spans, n = meta.spans(), forest.num_unique_tokens
+    assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(spans) == len({seq[0] for seq in seqs})
+    inside = torch.zeros(n, n, dtype=torch.bool)
+    for start, end in spans:
+        inside[start:end, start:end] = True
+        assert torch.equal(meta.span_mask(start, end, 2), meta.dense_mask(2)[start:end, start:end])
+    assert not (meta.dense_mask() & ~inside).any()
+    q, k, v = (torch.randn(1, 2, n, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for window in (None, 2):
+        for kind, attend in (("sdpa", backends.sdpa_tree_attention), ("eager", backends.eager_tree_attention)):
+            want = backends.masked_attention(q, k, v, meta.dense_mask(window), 0.5, kind)
+            assert torch.allclose(attend(q, k, v, meta, 0.5, window=window), want, atol=1e-6)
+
+
 def test_one_root_is_a_slice_several_are_gathered():
     one = RootSplitLayout.from_forest(PrefixForest.from_sequences(grpo_group(8, 3, 4, VOCAB)))
     assert one.rect_k_span == (0, 8) and one.rect_q_span == (8, 20)

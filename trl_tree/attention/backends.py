@@ -62,14 +62,26 @@ def masked_attention(q, k, v, mask: torch.Tensor, scaling: float, kind: str, sof
     return torch.matmul(probs, v).transpose(1, 2)
 
 
+def _masked_by_tree(q, k, v, meta: TreeAttentionMetadata, scaling: float, kind: str, window: int | None,
+                    softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """:func:`masked_attention` over the forest's trees one at a time: no query sees another tree's
+    keys, so a forest of several trees (a window's groups in one call) costs the sum of its trees'
+    squares, not the square of their sum, in time and in mask memory — the CPU's path (sdpa)."""
+    spans = meta.spans()
+    if len(spans) == 1:
+        return masked_attention(q, k, v, meta.dense_mask(window), scaling, kind, softcap, sinks)
+    return torch.cat([masked_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], meta.span_mask(s, e, window),
+                                       scaling, kind, softcap, sinks) for s, e in spans], dim=1)
+
+
 def eager_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    return masked_attention(q, k, v, meta.dense_mask(window), scaling, "eager", softcap, sinks)
+    return _masked_by_tree(q, k, v, meta, scaling, "eager", window, softcap, sinks)
 
 
 def sdpa_tree_attention(q, k, v, meta: TreeAttentionMetadata, scaling: float, window: int | None = None,
                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    return masked_attention(q, k, v, meta.dense_mask(window), scaling, "sdpa", softcap, sinks)
+    return _masked_by_tree(q, k, v, meta, scaling, "sdpa", window, softcap, sinks)
 
 
 class _GatherRows(torch.autograd.Function):

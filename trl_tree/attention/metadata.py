@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._device import upload
@@ -90,6 +91,17 @@ def _split_choice(forest: PrefixForest, backend: str, root_split: bool | None, d
     return layout, dense
 
 
+def tree_spans(subtree_end: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each tree of a packed forest: in DFS pre-order a tree's root comes first
+    and its subtree ends where the next tree's root begins."""
+    spans, start, n = [], 0, len(subtree_end)
+    while start < n:
+        end = int(subtree_end[start])
+        spans.append((start, end))
+        start = end
+    return spans
+
+
 def tree_visibility(subtree_end: torch.Tensor) -> torch.Tensor:
     """``[n, n]`` bool: query q sees key k iff ``k <= q < subtree_end[k]`` (packed DFS pre-order)."""
     idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
@@ -162,6 +174,7 @@ class TreeAttentionMetadata:
         )
         # the node layout on the host, for a recurrent mixer's segments (``mixers/scan.py``: no sync)
         meta._cache["host_layout"] = (forest.cu_seqlens_q, forest.cu_seqlens_k, forest.kv_index)
+        meta._cache["tree_spans"] = tree_spans(forest.subtree_end)
         return meta
 
     def rechosen(self, forest: PrefixForest, root_split: bool | None = None, dense: bool = False,
@@ -177,7 +190,7 @@ class TreeAttentionMetadata:
             split = self.root_split
         else:
             split = layout.to_device(self.subtree_end.device)
-        kept_host = {k: v for k, v in self._cache.items() if k == "host_layout"}  # layout, not a choice
+        kept_host = {k: v for k, v in self._cache.items() if k in ("host_layout", "tree_spans")}  # layout, not a choice
         return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache=kept_host, kept=None)
 
     def dense_mask(self, window: int | None = None) -> torch.Tensor:
@@ -189,6 +202,28 @@ class TreeAttentionMetadata:
             mask = tree_visibility(self.subtree_end)
             if window is not None:
                 depth = self.position_ids[0]
+                mask = mask & (depth[:, None] - depth[None, :] < window)
+            self._cache[key] = mask
+        return mask
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The packed ranges of the forest's trees (:func:`tree_spans`): no query of one sees a key of
+        another."""
+        spans = self._cache.get("tree_spans")
+        if spans is None:
+            spans = self._cache["tree_spans"] = tree_spans(self.subtree_end.cpu().numpy())
+        return spans
+
+    def span_mask(self, start: int, end: int, window: int | None = None) -> torch.Tensor:
+        """:meth:`dense_mask`'s block of one tree's range ``[start, end)`` (a span of :meth:`spans`)."""
+        if (start, end) == (0, self.num_tokens):
+            return self.dense_mask(window)
+        key = ("span", start, end, window)
+        mask = self._cache.get(key)
+        if mask is None:
+            mask = tree_visibility(self.subtree_end[start:end] - start)
+            if window is not None:
+                depth = self.position_ids[0, start:end]
                 mask = mask & (depth[:, None] - depth[None, :] < window)
             self._cache[key] = mask
         return mask
