@@ -96,7 +96,7 @@ def tree_spans(subtree_end: np.ndarray) -> list[tuple[int, int]]:
     and its subtree ends where the next tree's root begins."""
     spans, start, n = [], 0, len(subtree_end)
     while start < n:
-        end = int(subtree_end[start])
+        end = max(int(subtree_end[start]), start + 1)  # a root's subtree holds at least the root
         spans.append((start, end))
         start = end
     return spans

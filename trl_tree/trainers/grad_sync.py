@@ -138,12 +138,12 @@ class GradientAverager:
             if owner is None or not owner.armed:
                 return  # not the step's last backward
             owner._present.add(i)
-            if not owner.launch_in_backward:
-                return  # flush() launches every bucket
             b = owner.bucket_of[i]
             if b in owner._launched:  # accumulated after its bucket left: a tensor of its own (finish adds it)
                 owner._late.add(b)
                 return
+            if not owner.launch_in_backward:
+                return  # flush() launches every bucket
             waiting = owner._waiting[b]
             waiting.discard(i)  # a set: a gradient accumulated twice counts once
             if not waiting:
