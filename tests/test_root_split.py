@@ -86,15 +86,30 @@ def test_split_layout_gives_every_query_its_visible_keys_once(seqs):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=9), min_size=1, max_size=9))
 def test_the_reference_backends_attend_tree_by_tree(seqs):
-    """sdpa and eager (the CPU's path) attend one tree of the forest at a time (``metadata.spans``):
-    the spans tile the packed tokens, one per distinct first token, the forest's mask sees nothing
-    outside their blocks, each block is ``span_mask``'s, and the attention equals the forest-wide
-    masked one, with and without a sliding window."""
+    """sdpa and eager (the CPU's path) attend the forest span by span (``metadata.spans``): there is
+    a tree per distinct first token, the spans tile the packed tokens and each is whole trees (small
+    neighbours merged, or with ``SPAN_TOKENS=0`` only up to the largest tree), the forest's mask sees
+    nothing outside their blocks, each block is ``span_mask``'s, and the attention equals the
+    forest-wide masked one, with and without a sliding window."""
+    from trl_tree.attention import metadata
+
     forest = PrefixForest.from_sequences(seqs)
-    meta = TreeAttentionMetadata.from_forest(forest, CPU, "sdpa")
+    trees = metadata.tree_ranges(forest.subtree_end)
+    assert len(trees) == len({seq[0] for seq in seqs})
+    for span_tokens in (metadata.SPAN_TOKENS, 0):  # neighbours merged (the default) or not
+        metadata.SPAN_TOKENS, saved = span_tokens, metadata.SPAN_TOKENS
+        try:
+            meta = TreeAttentionMetadata.from_forest(forest, CPU, "sdpa")
+        finally:
+            metadata.SPAN_TOKENS = saved
+        _check_tree_by_tree(forest, meta, trees)
+
+
+def _check_tree_by_tree(forest, meta, trees) -> None:
     spans, n = meta.spans(), forest.num_unique_tokens
     assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert len(spans) == len({seq[0] for seq in seqs})
+    starts = {start for start, _ in trees}
+    assert all(start in starts for start, _ in spans)  # a span is whole trees
     inside = torch.zeros(n, n, dtype=torch.bool)
     for start, end in spans:
         inside[start:end, start:end] = True

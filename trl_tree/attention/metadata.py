@@ -91,14 +91,34 @@ def _split_choice(forest: PrefixForest, backend: str, root_split: bool | None, d
     return layout, dense
 
 
-def tree_spans(subtree_end: np.ndarray) -> list[tuple[int, int]]:
+def tree_ranges(subtree_end: np.ndarray) -> list[tuple[int, int]]:
     """``[start, end)`` of each tree of a packed forest: in DFS pre-order a tree's root comes first
     and its subtree ends where the next tree's root begins."""
-    spans, start, n = [], 0, len(subtree_end)
+    ranges, start, n = [], 0, len(subtree_end)
     while start < n:
         end = max(int(subtree_end[start]), start + 1)  # a root's subtree holds at least the root
-        spans.append((start, end))
+        ranges.append((start, end))
         start = end
+    return ranges
+
+
+#: neighbouring trees are attended together while their span stays within this many tokens (or the
+#: largest tree's): a span's cost is its square, and many one-token trees (a bucket's padding)
+#: would otherwise be as many calls
+SPAN_TOKENS = 256
+
+
+def tree_spans(subtree_end: np.ndarray) -> list[tuple[int, int]]:
+    """The ranges the reference backends attend one at a time: whole trees (:func:`tree_ranges`),
+    neighbours merged while the span stays within ``SPAN_TOKENS`` or the largest tree's length."""
+    ranges = tree_ranges(subtree_end)
+    limit = max([SPAN_TOKENS] + [end - start for start, end in ranges])
+    spans: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if spans and end - spans[-1][0] <= limit:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
     return spans
 
 
@@ -207,8 +227,8 @@ class TreeAttentionMetadata:
         return mask
 
     def spans(self) -> list[tuple[int, int]]:
-        """The packed ranges of the forest's trees (:func:`tree_spans`): no query of one sees a key of
-        another."""
+        """The packed ranges the reference backends attend one at a time (:func:`tree_spans`): whole
+        trees, so no query of one sees a key of another."""
         spans = self._cache.get("tree_spans")
         if spans is None:
             spans = self._cache["tree_spans"] = tree_spans(self.subtree_end.cpu().numpy())
