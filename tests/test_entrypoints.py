@@ -146,6 +146,27 @@ def test_trainer_bench_rollouts_depend_on_the_row_alone():
     assert both.num_unique_tokens == 2 * one_tree.num_unique_tokens - 4800  # the system prompt once
 
 
+def test_trainer_bench_fingerprint_sees_gradients_the_weights_did_not_take():
+    """``bench.trainer``'s check that ranks agree: two ranks whose bf16 weights a tiny learning rate
+    left unchanged, but whose gradients differed, must not read as agreeing (Adam's moments hold
+    the gradients)."""
+    import torch
+
+    from trl_tree.bench.trainer import parameter_fingerprint
+
+    prints = []
+    for scale in (1.0, 2.0):  # two ranks' gradients, not averaged
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-8)
+        before = [p.detach().clone() for p in model.parameters()]
+        (scale * model(torch.ones(2, 8, dtype=torch.bfloat16)).float().pow(2).sum()).backward()
+        optimizer.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the weights did not move
+        prints.append((parameter_fingerprint(model), parameter_fingerprint(model, optimizer)))
+    assert prints[0][0] == prints[1][0] and prints[0][1] != prints[1][1]
+
+
 def test_trainer_bench_update_check(tmp_path, monkeypatch):
     """``bench.trainer --update-check`` on a tiny Qwen2 shape on the CPU: the fp32 tree's update equals
     the fp32 untreed reference, the bf16 ones keep DESIGN.md's rule against stock's bf16 error, and a

@@ -173,11 +173,18 @@ def launcher_precision(mixed_precision: str):
             os.environ["ACCELERATE_MIXED_PRECISION"] = saved
 
 
-def parameter_fingerprint(model: torch.nn.Module) -> torch.Tensor:
-    """The sum of the parameters' norms, over the *full* parameters: under FSDP2 each rank holds a
-    different shard (a ``DTensor``), so its local norm says nothing about agreement; ``full_tensor``
-    gathers each parameter (a collective every rank makes, one parameter at a time)."""
-    norms = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().norm() for p in model.parameters()]
+def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tensor:
+    """The sum of the parameters' norms and of the ``optimizer``'s state tensors' (Adam's moments),
+    over the *full* tensors: under FSDP2 each rank holds a different shard (a ``DTensor``), so its
+    local norm says nothing about agreement; ``full_tensor`` gathers each (a collective every rank
+    makes, one tensor at a time). The state, because a bf16 weight may not move at all under a
+    small learning rate, so equal weights alone do not show that the gradients were averaged; the
+    moments hold those gradients."""
+    tensors = list(model.parameters())
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values()
+                    if torch.is_tensor(t) and t.dim() > 0]
+    norms = [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().norm() for t in tensors]
     return torch.stack(norms).sum()
 
 
@@ -439,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
 
             results[mode]["rank_fwd_bwd_ms"] = [round(t * 1e3, 1) for t in
                                                 gather_object([statistics.median(times)])]
-        if processes > 1:  # every rank must end with the same parameters (their gradients were averaged)
-            fingerprint = parameter_fingerprint(trainer.model)
+        if processes > 1:  # every rank must end with the same parameters and moments (gradients averaged)
+            fingerprint = parameter_fingerprint(trainer.model, trainer.optimizer)
             ranks = trainer.accelerator.gather(fingerprint.reshape(1))
             results[mode] |= {"ranks_agree": bool((ranks == ranks[0]).all())}
         if trainer.accelerator.is_main_process:
