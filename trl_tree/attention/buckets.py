@@ -27,7 +27,7 @@ import torch
 
 from .._device import upload
 from ..forest import PrefixForest
-from .metadata import TreeAttentionMetadata, tree_spans
+from .metadata import TreeAttentionMetadata
 
 #: bucket steps per octave: a count is rounded up to a multiple of 2^(⌊log2 n⌋ - 3)
 STEPS_PER_OCTAVE = 8
@@ -105,5 +105,5 @@ class BucketedLayout:
             backend=backend, num_tokens=int(self.tokens.shape[0]), max_depth=self.max_seqlen_k,
             subtree_end=subtree_end, position_ids=positions.unsqueeze(0), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             kv_index=kv_index, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k)
-        meta._cache["tree_spans"] = tree_spans(self.subtree_end)  # from the host: no sync while capturing
+        meta._cache["host_subtree_end"] = self.subtree_end  # the reference backends' spans: no sync while capturing
         return tokens, pred_src, targets, meta

@@ -194,7 +194,7 @@ class TreeAttentionMetadata:
         )
         # the node layout on the host, for a recurrent mixer's segments (``mixers/scan.py``: no sync)
         meta._cache["host_layout"] = (forest.cu_seqlens_q, forest.cu_seqlens_k, forest.kv_index)
-        meta._cache["tree_spans"] = tree_spans(forest.subtree_end)
+        meta._cache["host_subtree_end"] = forest.subtree_end  # the reference backends' spans (``spans``)
         return meta
 
     def rechosen(self, forest: PrefixForest, root_split: bool | None = None, dense: bool = False,
@@ -210,35 +210,30 @@ class TreeAttentionMetadata:
             split = self.root_split
         else:
             split = layout.to_device(self.subtree_end.device)
-        kept_host = {k: v for k, v in self._cache.items() if k in ("host_layout", "tree_spans")}  # layout, not a choice
+        layout_keys = ("host_layout", "host_subtree_end", "tree_spans")  # the layout, not a choice
+        kept_host = {k: v for k, v in self._cache.items() if k in layout_keys}
         return dataclasses.replace(self, root_split=split, dense=dense, calls=0, _cache=kept_host, kept=None)
 
     def dense_mask(self, window: int | None = None) -> torch.Tensor:
         """[U, U] bool: query q sees key k iff ``k <= q < subtree_end[k]`` (reference backends), and with
         a sliding ``window`` iff also ``depth(q) - depth(k) < window``."""
-        key = ("dense", window)
-        mask = self._cache.get(key)
-        if mask is None:
-            mask = tree_visibility(self.subtree_end)
-            if window is not None:
-                depth = self.position_ids[0]
-                mask = mask & (depth[:, None] - depth[None, :] < window)
-            self._cache[key] = mask
-        return mask
+        return self.span_mask(0, self.num_tokens, window)
 
     def spans(self) -> list[tuple[int, int]]:
         """The packed ranges the reference backends attend one at a time (:func:`tree_spans`): whole
-        trees, so no query of one sees a key of another."""
+        trees, so no query of one sees a key of another. Made on first use, from the host's copy of
+        the layout where the metadata was made from one (no sync), so other backends pay nothing."""
         spans = self._cache.get("tree_spans")
         if spans is None:
-            spans = self._cache["tree_spans"] = tree_spans(self.subtree_end.cpu().numpy())
+            host = self._cache.get("host_subtree_end")
+            spans = self._cache["tree_spans"] = tree_spans(host if host is not None else
+                                                           self.subtree_end.cpu().numpy())
         return spans
 
     def span_mask(self, start: int, end: int, window: int | None = None) -> torch.Tensor:
-        """:meth:`dense_mask`'s block of one tree's range ``[start, end)`` (a span of :meth:`spans`)."""
-        if (start, end) == (0, self.num_tokens):
-            return self.dense_mask(window)
-        key = ("span", start, end, window)
+        """:meth:`dense_mask` over the range ``[start, end)`` alone (a span of :meth:`spans`: whole
+        trees, so it is that mask's block), built once per range and window."""
+        key = ("mask", start, end, window)
         mask = self._cache.get(key)
         if mask is None:
             mask = tree_visibility(self.subtree_end[start:end] - start)
