@@ -125,27 +125,32 @@ WINDOW_RUNS = (
 )
 
 
-def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS) -> None:
-    """Trees placed over ranks (``tree_window``): 6 rows per optimizer step and process over two
-    micro-steps, groups of 4, so with 2 processes a group straddles them; the same global batch
-    (12 rows) on 1 process. Writes each run's trained parameters and its tree metrics."""
+def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS, rows: int = 6) -> None:
+    """Trees placed over ranks (``tree_window``): ``rows`` rows per micro-step in all (6: 3 per
+    process on two), two micro-steps per optimizer step, groups of 4, so with 2 processes a group
+    straddles them; the same global batch (12 rows) on 1 process. ``rows=8`` on eight processes
+    (one row each): four groups for eight ranks, so half the ranks own no tree. Writes each run's
+    trained parameters and its tree metrics."""
     for algo, critic, mode, window in runs:
-        train_window_run(checkpoint, out_dir, algo, critic, mode, window)
+        train_window_run(checkpoint, out_dir, algo, critic, mode, window, rows=rows)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the two-pass bridge where the loss is separable too
-        train_window_run(checkpoint, out_dir, "grpo", None, "dfs", "accumulation", tag="twopass", tree_one_pass=False)
+        train_window_run(checkpoint, out_dir, "grpo", None, "dfs", "accumulation", tag="twopass", rows=rows,
+                         tree_one_pass=False)
 
 
 def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | None, mode: str, window: str,
-                     tag: str = "", dtype: torch.dtype = torch.float64, **extra) -> str:
-    """One run of :func:`main_windows` (``extra``: more config fields, ``tag``: added to its name);
-    returns the run's name. Saved: the full parameters (gathered under FSDP2), the tree metrics, the
-    distributed type and whether the parameters were sharded."""
+                     tag: str = "", dtype: torch.dtype = torch.float64, rows: int = 6, **extra) -> str:
+    """One run of :func:`main_windows` (``extra``: more config fields, ``tag``: added to its name;
+    ``rows``: per micro-step, all processes together); returns the run's name. Saved: the full
+    parameters (gathered under FSDP2), the tree metrics, the distributed type and whether the
+    parameters were sharded."""
     from transformers import PreTrainedTokenizerFast
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
+    assert rows % processes == 0, f"{rows} rows per micro-step do not split over {processes} processes"
     run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
     common = dict(output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_window=window,
-                  per_device_train_batch_size=6 // processes, num_generations=4, max_completion_length=COMPLETION,
+                  per_device_train_batch_size=rows // processes, num_generations=4, max_completion_length=COMPLETION,
                   learning_rate=0.05, optim="sgd", max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
                   use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
                   logging_steps=1, model_init_kwargs={"dtype": dtype})
@@ -282,6 +287,11 @@ def main_async(out_dir: str) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
+if __name__ == "__main__" and sys.argv[3:4] == ["windows"]:  # CHECKPOINT OUT windows ROWS: the windows only
+    main_windows(sys.argv[1], sys.argv[2], rows=int(sys.argv[4]))
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)
     main_sft(sys.argv[2])
     main_async(sys.argv[2])

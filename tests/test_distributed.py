@@ -123,32 +123,61 @@ def test_windows_two_processes_equal_one_process(launched):
     PPO (separate and shared critics), packed and dfs, windows or not — trains the parameters one
     untreed process trains on the same 12 rows per optimizer step (float64; TRL's head rounds
     through fp32)."""
-    import ddp_check
-
-    ddp_check.main_windows(str(launched / "tiny"), str(launched),
-                           [r for r in ddp_check.WINDOW_RUNS if r[2] == "off"])
-    for algo, critic, mode, window, tag in [(*r, "") for r in ddp_check.WINDOW_RUNS] + [
-            ("grpo", None, "dfs", "accumulation", "twopass")]:
-        run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
-        two = [torch.load(launched / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
-        if mode != "off" and window == "accumulation":  # the separable losses run in one pass unless told not to
-            one_pass = critic != "shared" and tag != "twopass"
-            assert set(two[0]["metrics"]["tree/passes"]) == {1.0 if one_pass else 2.0}, run
-        one = torch.load(launched / f"win-{'-'.join(x for x in (algo, critic, 'off-auto') if x)}-p1_rank0.pt")
-        for name, p in two[0]["params"].items():
-            assert torch.equal(p, two[1]["params"][name]), f"{run}: ranks disagree on {name}"
-            ref = one["params"][name]
-            err = ((p - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-            assert err <= 1e-5, f"{run}: {name} differs from one process by {err:.2e}"
-        if mode != "off" and window == "accumulation":
-            metrics = [t["metrics"] for t in two]
-            assert metrics[0]["tree/rank_imbalance"] == metrics[1]["tree/rank_imbalance"]  # one plan, every rank
-            assert max(metrics[0]["tree/rank_imbalance"]) <= 1.05
-            if algo == "grpo":  # its reference (beta) and old-policy (2 iterations) passes were placed too
-                assert "tree/rank_imbalance_forward" in metrics[0]
-            # the window's backward was averaged by hand, on the averages' own communicator
-            assert two[0]["averagers_on_own_group"] and all(two[0]["averagers_on_own_group"]), run
+    check_windows_equal_one_process(launched, processes=2, rows=6, imbalance=1.05)
     # whole trees share more than each process's micro-batches did
     def dedup(run):
         return [torch.load(launched / f"win-{run}-p2_rank{r}.pt")["metrics"]["tree/dedup_ratio"][0] for r in (0, 1)]
     assert min(dedup("grpo-packed-accumulation")) > max(dedup("grpo-packed-micro_step")) * 1.3
+
+
+def check_windows_equal_one_process(directory, processes: int, rows: int, imbalance: float) -> None:
+    """``ddp_check.main_windows`` launched on ``processes`` processes into ``directory``: run the
+    untreed references on this one process at the same global batch, then check every run — GRPO
+    and PPO, packed and dfs, windows or not — for ranks that agree and parameters within 1e-5 of one
+    process's (float64; TRL's head rounds through fp32), one plan on every rank whose estimated
+    imbalance is at most ``imbalance``, and the window's average on its own communicator."""
+    import ddp_check
+
+    ddp_check.main_windows(str(directory / "tiny"), str(directory),
+                           [r for r in ddp_check.WINDOW_RUNS if r[2] == "off"], rows=rows)
+    for algo, critic, mode, window, tag in [(*r, "") for r in ddp_check.WINDOW_RUNS] + [
+            ("grpo", None, "dfs", "accumulation", "twopass")]:
+        run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
+        ranks = [torch.load(directory / f"win-{run}-p{processes}_rank{r}.pt") for r in range(processes)]
+        if mode != "off" and window == "accumulation":  # the separable losses run in one pass unless told not to
+            one_pass = critic != "shared" and tag != "twopass"
+            assert set(ranks[0]["metrics"]["tree/passes"]) == {1.0 if one_pass else 2.0}, run
+        one = torch.load(directory / f"win-{'-'.join(x for x in (algo, critic, 'off-auto') if x)}-p1_rank0.pt")
+        for name, p in ranks[0]["params"].items():
+            for r in range(1, processes):
+                assert torch.equal(p, ranks[r]["params"][name]), f"{run}: ranks 0 and {r} disagree on {name}"
+            ref = one["params"][name]
+            err = ((p - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            assert err <= 1e-5, f"{run}: {name} differs from one process by {err:.2e}"
+        if mode != "off" and window == "accumulation":
+            metrics = [t["metrics"] for t in ranks]
+            assert all(m["tree/rank_imbalance"] == metrics[0]["tree/rank_imbalance"] for m in metrics)  # one plan
+            assert max(metrics[0]["tree/rank_imbalance"]) <= imbalance, (run, metrics[0]["tree/rank_imbalance"])
+            if algo == "grpo":  # its reference (beta) and old-policy (2 iterations) passes were placed too
+                assert "tree/rank_imbalance_forward" in metrics[0]
+            # the window's backward was averaged by hand, on the averages' own communicator
+            assert all(t["averagers_on_own_group"] and all(t["averagers_on_own_group"]) for t in ranks), run
+
+
+@pytest.mark.skipif(os.environ.get("TRL_TREE_EIGHT_PROCESSES") != "1",
+                    reason="eight processes take about a minute of this suite's CPU time; TRL_TREE_EIGHT_PROCESSES=1 "
+                           "runs it (docs/multi_gpu.md, 'Eight ranks')")
+def test_windows_eight_processes_equal_one_process(tmp_path):
+    """Eight ranks, one row each per micro-step: four groups of four for eight ranks, so whole trees
+    leave half the ranks with nothing to compute — those still join every exchange and the gradient
+    average (their all-reduces launched after an empty backward) — and every run trains what one
+    process trains on the same 16 rows per optimizer step. The plan's estimated imbalance is the
+    busiest rank over the mean: 2 with four of eight ranks busy."""
+    save_tiny_checkpoint(tmp_path / "tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--num_processes", "8", "--config_file", os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"),
+           os.path.join(ROOT, "tests/ddp_check.py"), str(tmp_path / "tiny"), str(tmp_path), "windows", "8"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_windows_equal_one_process(tmp_path, processes=8, rows=8, imbalance=2.1)
