@@ -8,7 +8,9 @@ packed and dfs on one recorded stream.
 
 Last, accumulation windows placing whole trees on ranks (``main_windows``): GRPO and PPO, packed
 and dfs, on fixed rollouts whose prompt groups straddle the two processes; the test runs the same
-global batch on one process and checks that the updates agree.
+global batch on one process and checks that the updates agree. ``ddp_check.py CHECKPOINT OUT
+windows ROWS`` runs the windows alone, ``ROWS`` rows per micro-step over any number of processes
+(the eight-process test: one row each).
 
 Then TreePPOTrainer: a separate critic (off, packed, dfs) and a critic adapter under LoRA (off,
 packed); the test checks that the ranks agree on policy and critic and that the tree equals the
