@@ -289,17 +289,15 @@ def main_async(out_dir: str) -> None:
         torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
-if __name__ == "__main__" and sys.argv[3:4] == ["windows"]:  # CHECKPOINT OUT windows ROWS: the windows only
-    main_windows(sys.argv[1], sys.argv[2], rows=int(sys.argv[4]))
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-if __name__ == "__main__":  # one launch for all (each launch costs two interpreter start-ups and imports)
-    main_sft(sys.argv[2])
-    main_async(sys.argv[2])
-    main(sys.argv[1], sys.argv[2])
-    main_ppo(sys.argv[1], sys.argv[2])
-    main_windows(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":
+    if sys.argv[3:4] == ["windows"]:  # CHECKPOINT OUT windows ROWS: the windows alone
+        main_windows(sys.argv[1], sys.argv[2], rows=int(sys.argv[4]))
+    else:  # one launch for all (each launch costs two interpreter start-ups and imports)
+        main_sft(sys.argv[2])
+        main_async(sys.argv[2])
+        main(sys.argv[1], sys.argv[2])
+        main_ppo(sys.argv[1], sys.argv[2])
+        main_windows(sys.argv[1], sys.argv[2])
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads can abort an orderly interpreter exit ("terminate called ..."); all is saved

@@ -18,17 +18,23 @@ pytestmark = pytest.mark.slow  # launches of several processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def launch_ddp_check(out, processes: int = 2, *extra: str, timeout: int = 600) -> None:
+    """``accelerate launch`` of ``ddp_check.py`` on ``processes`` CPU processes over gloo, with a
+    tiny checkpoint saved in ``out`` first (``extra``: its arguments after the checkpoint and ``out``)."""
+    checkpoint = save_tiny_checkpoint(out / "tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--num_processes", str(processes), "--config_file", os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"),
+           os.path.join(ROOT, "tests/ddp_check.py"), checkpoint, str(out), *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """One ``accelerate launch`` of ``ddp_check.py`` (GRPO, then PPO); its output directory."""
     out = tmp_path_factory.mktemp("ddp")
-    checkpoint = save_tiny_checkpoint(out / "tiny")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
-           os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"), os.path.join(ROOT, "tests/ddp_check.py"),
-           checkpoint, str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch_ddp_check(out)
     return out
 
 
@@ -173,11 +179,5 @@ def test_windows_eight_processes_equal_one_process(tmp_path):
     average (their all-reduces launched after an empty backward) — and every run trains what one
     process trains on the same 16 rows per optimizer step. The plan's estimated imbalance is the
     busiest rank over the mean: 2 with four of eight ranks busy."""
-    save_tiny_checkpoint(tmp_path / "tiny")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
-           "--num_processes", "8", "--config_file", os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml"),
-           os.path.join(ROOT, "tests/ddp_check.py"), str(tmp_path / "tiny"), str(tmp_path), "windows", "8"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch_ddp_check(tmp_path, 8, "windows", "8", timeout=1200)
     check_windows_equal_one_process(tmp_path, processes=8, rows=8, imbalance=2.1)
