@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from trl_tree import PrefixForest  # noqa: E402
-from trl_tree.dfs.plan import plan_walk  # noqa: E402
+from trl_tree.engine.dfs.plan import plan_walk  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 BLUE, ORANGE, GREY = "#3b7dd8", "#e8833a", "#bbbbbb"

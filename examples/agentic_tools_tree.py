@@ -163,8 +163,8 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
-    from trl_tree.tiny import tiny_model
-    from trl_tree.toy import learning_line, save_quietly
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.data.toy import learning_line, save_quietly
 
     torch.manual_seed(0)
     tokenizer = tool_tokenizer()

@@ -51,7 +51,7 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
-    from trl_tree.toy import build_tiny_policy, learning_line, toy_prompts
+    from trl_tree.data.toy import build_tiny_policy, learning_line, toy_prompts
 
     # the letter task: its alphabet alone, which a random policy learns from fastest (toy.build_tiny_policy)
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True, every_character=False)

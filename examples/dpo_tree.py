@@ -33,7 +33,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dpo_tree_", ignore_cleanup_errors=True) as workdir:
         try:
             _train(args, workdir)
-        except ValueError as e:  # bad data (trl_tree.data_files.DataError) or a refusal: one line, no traceback
+        except ValueError as e:  # bad data (trl_tree.data.data_files.DataError) or a refusal: one line, no traceback
             parser.exit(2, f"{parser.prog}: {e}\n")
 
 
@@ -43,8 +43,8 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
-    from trl_tree.data_files import load_local_dataset
-    from trl_tree.toy import build_tiny_policy, learning_line, toy_preferences
+    from trl_tree.data.data_files import load_local_dataset
+    from trl_tree.data.toy import build_tiny_policy, learning_line, toy_preferences
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True)

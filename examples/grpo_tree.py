@@ -41,7 +41,7 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
-    from trl_tree.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
+    from trl_tree.data.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))

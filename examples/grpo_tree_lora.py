@@ -34,7 +34,7 @@ def _train(args, workdir: str) -> None:
     from peft import LoraConfig
 
     from trl_tree import TreeGRPOConfig, TreeGRPOTrainer
-    from trl_tree.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
+    from trl_tree.data.toy import build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreeGRPOConfig(

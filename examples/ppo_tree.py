@@ -43,7 +43,7 @@ def _train(args, workdir: str) -> None:
     from datasets import Dataset
 
     from trl_tree import TreePPOConfig, TreePPOTrainer
-    from trl_tree.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
+    from trl_tree.data.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
@@ -55,7 +55,7 @@ def _train(args, workdir: str) -> None:
         per_device_train_batch_size=2 * args.num_generations,
         num_generations=args.num_generations,
         response_length=args.response_length,  # TRL 1.12's name of max_completion_length
-        **TOY_PPO,  # one epoch per generation, lam=1 and a critic warm-up: why, in trl_tree/toy.py
+        **TOY_PPO,  # one epoch per generation, lam=1 and a critic warm-up: why, in trl_tree/data/toy.py
         learning_rate=args.learning_rate,
         bf16=args.model is not None,  # the tiny model trains in fp32
         use_cpu=not torch.cuda.is_available(),

@@ -35,7 +35,7 @@ def _train(args, workdir: str) -> None:
     from peft import LoraConfig
 
     from trl_tree import TreePPOConfig, TreePPOTrainer
-    from trl_tree.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
+    from trl_tree.data.toy import TOY_PPO, build_tiny_policy, learning_line, reward_letter_a, toy_prompts
 
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"))
     config = TreePPOConfig(
@@ -46,7 +46,7 @@ def _train(args, workdir: str) -> None:
         per_device_train_batch_size=16,
         num_generations=8,
         response_length=16,
-        **TOY_PPO,  # the KL penalty is against the base with adapters disabled; the rest: trl_tree/toy.py
+        **TOY_PPO,  # the KL penalty is against the base with adapters disabled; the rest: trl_tree/data/toy.py
         learning_rate=2e-2,
         bf16=args.model is not None,
         use_cpu=not torch.cuda.is_available(),

@@ -5,7 +5,7 @@
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/sft_tree.py
 
 Each conversation (a system prompt, a tool, turns that call the tool and answer with what it
-returned) becomes one sample per assistant turn with its whole history (``trl_tree.sft_data.
+returned) becomes one sample per assistant turn with its whole history (``trl_tree.data.sft_data.
 expand_turns``), and ``tree_shuffle="groups"`` puts the turns of one conversation in one
 micro-batch, so each history is computed once. ``--dataset`` reads a local JSONL or Parquet file
 with a ``messages`` column (expanded the same way; ``--no-expand`` trains the rows as they are) or
@@ -38,16 +38,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sft_tree_", ignore_cleanup_errors=True) as workdir:
         try:
             _train(args, workdir)
-        except ValueError as e:  # bad data (trl_tree.data_files.DataError) or a refusal: one line, no traceback
+        except ValueError as e:  # bad data (trl_tree.data.data_files.DataError) or a refusal: one line, no traceback
             parser.exit(2, f"{parser.prog}: {e}\n")
 
 
 def _load(args):
     from datasets import Dataset
 
-    from trl_tree.data_files import DataError, load_local_dataset
-    from trl_tree.sft_data import expand_turns_dataset
-    from trl_tree.toy import toy_conversations
+    from trl_tree.data.data_files import DataError, load_local_dataset
+    from trl_tree.data.sft_data import expand_turns_dataset
+    from trl_tree.data.toy import toy_conversations
 
     if args.dataset is None:
         data = Dataset.from_list(toy_conversations(args.conversations))
@@ -66,7 +66,7 @@ def _train(args, workdir: str) -> None:
     import torch
 
     from trl_tree import TreeSFTConfig, TreeSFTTrainer
-    from trl_tree.toy import build_tiny_policy, learning_line
+    from trl_tree.data.toy import build_tiny_policy, learning_line
 
     # every process builds the same tiny model from the same seed, so no file has to be shared
     model = args.model or build_tiny_policy(os.path.join(workdir, "policy"), chat=True)

@@ -10,8 +10,8 @@ import argparse
 import torch
 
 from trl_tree import PrefixForest, tree_backward, tree_logprobs
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import grpo_group, tiny_model
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import grpo_group, tiny_model
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from trl_tree.tiny import tiny_model
+from trl_tree.data.tiny import tiny_model
 
 LOGP_ATOL = 1e-5  # max abs difference of log-probs, fp32
 GRAD_RTOL = 1e-5  # ||g_tree - g_ref|| / ||g_ref|| per parameter, fp32

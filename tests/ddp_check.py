@@ -33,7 +33,8 @@ from datasets import Dataset
 sys.path.insert(0, os.path.dirname(__file__))
 from trainer_harness import PROMPTS, reward_a  # noqa: E402
 
-from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer, graphs  # noqa: E402
+from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
+from trl_tree.engine import graphs  # noqa: E402
 from trl_tree.bench.trainer import launcher_precision  # noqa: E402
 
 
@@ -181,7 +182,7 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
             if k.startswith("tree/"):
                 metrics.setdefault(k, []).append(float(v))
     # the by-hand averages' all-reduces: on a communicator of their own, not the default group, where
-    # TRL's metric gathers would queue behind them (trainers/exchange.reduction_group)
+    # TRL's metric gathers would queue behind them (distributed/exchange.reduction_group)
     groups = [a._all_reduce.keywords.get("group") for a in trainer.__dict__.get("_tree_averagers", {}).values()]
     own_group = [g is not None and g is not torch.distributed.group.WORLD for g in groups]
     torch.save({"params": params, "metrics": metrics, "averagers_on_own_group": own_group,
@@ -263,8 +264,8 @@ def main_async(out_dir: str) -> None:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
 
     from trl_tree.bench.common import bench_tokenizer
-    from trl_tree.tiny import tiny_model
-    from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
     packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=exact_varlen)
     async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None  # a CUDA lookup

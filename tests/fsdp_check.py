@@ -1,5 +1,5 @@
 """Run under ``torchrun --nproc_per_node 2`` (tests/test_fsdp.py does): the engine's own backward on
-an FSDP2 (``fully_shard``) model over gloo, through ``trl_tree.fsdp``, under the mixed-precision
+an FSDP2 (``fully_shard``) model over gloo, through ``trl_tree.distributed.fsdp``, under the mixed-precision
 policies Accelerate sets.
 
 Each rank runs its own forest (packed in one call, packed cut into calls by a token budget, and
@@ -54,7 +54,7 @@ def _errors(model, expected: dict) -> dict:
 def _sharded(policy, mesh, state):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from trl_tree.tiny import tiny_model
+    from trl_tree.data.tiny import tiny_model
 
     dtype, mp = POLICIES[policy]
     model = tiny_model().to(dtype)
@@ -70,8 +70,8 @@ def main(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from trl_tree import PrefixForest, tree_backward, tree_logprobs
-    from trl_tree.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
-    from trl_tree.tiny import tiny_model
+    from trl_tree.distributed.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
+    from trl_tree.data.tiny import tiny_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -88,8 +88,8 @@ def main_offline(out_dir: str) -> None:
     from trl_tree import TreeDPOConfig, TreeDPOTrainer
     from trl_tree.bench.common import bench_tokenizer
     from trl_tree.bench.trainer import launcher_precision
-    from trl_tree.tiny import tiny_model
-    from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
     state = PartialState()
     dpo_checkpoint, async_checkpoint = os.path.join(out_dir, "dpo_tiny"), os.path.join(out_dir, "async_tiny")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from trl_tree.trainers.grad_sync import GradientAverager, average_gradients  # noqa: E402
+from trl_tree.distributed.grad_sync import GradientAverager, average_gradients  # noqa: E402
 
 CASES = ("last", "after", "first", "never", "unused_here", "idle_rank")
 
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from datetime import timedelta
 
-    from trl_tree.trainers.exchange import RankExchange
+    from trl_tree.distributed.exchange import RankExchange
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a mismatch fails
     exchange = RankExchange(group=dist.new_group())

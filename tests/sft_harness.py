@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset, disable_progress_bars
 from trainer_harness import save_tiny_checkpoint
 
-from trl_tree.sft_data import expand_turns
-from trl_tree.toy import chat_tokenizer
+from trl_tree.data.sft_data import expand_turns
+from trl_tree.data.toy import chat_tokenizer
 
 disable_progress_bars()
 

@@ -23,8 +23,8 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_tree.bench.async_grpo import NoTransfer, StreamWorker
 from trl_tree.bench.common import bench_tokenizer
-from trl_tree.tiny import tiny_model
-from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+from trl_tree.data.tiny import tiny_model
+from trl_tree.trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
 VOCAB = 96
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_tree import PrefixForest, tree_backward, tree_logprobs
-from trl_tree.tiny import tiny_model
+from trl_tree.data.tiny import tiny_model
 
 
 def loss(lp, s, p):
@@ -124,7 +124,7 @@ def test_model_whose_attention_bypasses_the_interface():
 def test_soft_cap_refused_at_call_time_on_a_kernel_without_it(monkeypatch):
     """The dispatcher's own check (a direct engine call; trainers refuse at construction): a
     Gemma-2 soft-cap reaching the FlashAttention path, here its math stand-in."""
-    from trl_tree.attention import backends, partial
+    from trl_tree.engine.attention import backends, partial
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "torch_flash", (partial.math_partial_forward,
                                                                   partial.math_partial_backward))
@@ -157,7 +157,7 @@ def test_a_peft_adapter_on_the_lm_head_is_refused():
     from conftest import assert_logps_close
     from peft import LoraConfig, get_peft_model
 
-    from trl_tree.reference import untreed_logprobs
+    from trl_tree.engine.reference import untreed_logprobs
 
     seqs = [[1, 2, 3, 4], [1, 2, 5]]
     lora = get_peft_model(tiny_model("qwen2"), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
@@ -174,7 +174,7 @@ def test_a_peft_adapter_on_the_lm_head_is_refused():
 def test_auto_backend_is_not_changed_by_an_installed_package(monkeypatch):
     """Without FlashAttention-4's pair, 'auto' keeps PyTorch's FlashAttention varlen however a call
     runs; soft-capping, which torch_flash cannot apply, goes to flash."""
-    from trl_tree.attention import backends, fa4
+    from trl_tree.engine.attention import backends, fa4
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, name))
     monkeypatch.setattr(fa4, "fa4_pair_available", lambda: False)
@@ -189,8 +189,8 @@ def test_auto_takes_fa4_where_it_was_measured_faster(monkeypatch):
     """With FA4 installed on a GPU it runs on, 'auto' takes it for replayed CUDA graphs and for eager
     calls of models wide enough (by mode: backends.FA4_EAGER_MIN_HIDDEN), and keeps PyTorch's FA2 for
     a narrow model's eager step, whose host-side launches FA4's Python path makes slower."""
-    from trl_tree.attention import backends, fa4
-    from trl_tree.dfs.walk import resolve_dfs_backend
+    from trl_tree.engine.attention import backends, fa4
+    from trl_tree.engine.dfs.walk import resolve_dfs_backend
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device, dtype: (True, name))
     monkeypatch.setattr(fa4, "fa4_pair_available", lambda: True)

@@ -1,4 +1,4 @@
-"""Spreading whole trees over ranks (``trl_tree.trainers.balance``): valid partitions, the known
+"""Spreading whole trees over ranks (``trl_tree.distributed.balance``): valid partitions, the known
 bounds, the cost's attention term, and ``balance`` keeping the most even of the three methods."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from trl_tree.forest import PrefixForest
-from trl_tree.tiny import shaped_config
-from trl_tree.trainers.balance import (
+from trl_tree.engine.forest import PrefixForest
+from trl_tree.data.tiny import shaped_config
+from trl_tree.distributed.balance import (
     METHODS,
     balance,
     contiguous_ranges,

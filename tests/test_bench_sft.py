@@ -5,7 +5,7 @@ import numpy as np
 
 from trl_tree.bench.sft import run_mode
 from trl_tree.bench.workloads import SFTShape, _per_turn, sft_shapes
-from trl_tree.tiny import tiny_config
+from trl_tree.data.tiny import tiny_config
 
 
 def test_every_mode_runs_on_a_small_shape():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from trl_tree.cli import main
+from trl_tree.tools.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def report(capsys, *argv) -> dict:
 
 
 def test_help_answers_without_importing_torch():
-    code = "import sys; from trl_tree.cli import main; main(['--help']); print('torch' in sys.modules)"
+    code = "import sys; from trl_tree.tools.cli import main; main(['--help']); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr
     for sub in ("demo", "inspect", "bench", "check"):
@@ -84,7 +84,7 @@ def test_inspect_counts_what_the_forest_holds(rollouts, capsys):
 
 
 def test_inspect_reads_text_and_chats_with_a_tokenizer(tmp_path, capsys):
-    from trl_tree.tiny import tiny_tokenizer
+    from trl_tree.data.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -141,7 +141,7 @@ def test_console_script_is_declared():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml")) as f:
         text = f.read()
-    assert 'trl-tree = "trl_tree.cli:main"' in text
+    assert 'trl-tree = "trl_tree.tools.cli:main"' in text
 
 
 def test_tree_configs_train_on_the_cpu_without_being_told():
@@ -161,7 +161,7 @@ def test_tree_configs_train_on_the_cpu_without_being_told():
 
 def test_inspect_takes_a_model_directory(rollouts, tmp_path, capsys, monkeypatch):
     """``--model`` takes what ``from_pretrained`` takes: here a saved model's directory."""
-    from trl_tree.tiny import shaped_config
+    from trl_tree.data.tiny import shaped_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder, _ = rollouts
@@ -173,7 +173,7 @@ def test_inspect_takes_a_model_directory(rollouts, tmp_path, capsys, monkeypatch
 def test_inspect_sft_compares_trl_order_with_the_sampler(tmp_path, capsys):
     """``inspect --sft --per-turn`` on conversations: per-turn samples, T/U in TRL's order and with
     the grouped sampler (which brings each conversation's turns together), per micro-batch."""
-    from trl_tree.toy import chat_tokenizer, toy_conversations
+    from trl_tree.data.toy import chat_tokenizer, toy_conversations
 
     path = tmp_path / "conversations.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in toy_conversations(24)))
@@ -194,7 +194,7 @@ def test_inspect_reports_dpo_pairs(tmp_path, capsys):
     """DPO's files (prompt/chosen/rejected): each pair two sequences sharing the prompt, in
     micro-batches of pairs, TRL's order against TreeDPOTrainer's grouped sampler; ``--tokenizer
     tiny`` is the package's own, offline."""
-    from trl_tree.toy import toy_preferences
+    from trl_tree.data.toy import toy_preferences
 
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in toy_preferences(32, pairs_per_prompt=4)))
@@ -214,7 +214,7 @@ def _inspect_error(capsys, *argv) -> str:
 
 
 def test_inspect_bad_data_gets_one_line_naming_the_row(tmp_path, capsys):
-    from trl_tree.toy import toy_conversations
+    from trl_tree.data.toy import toy_conversations
 
     rows = [json.dumps(c) for c in toy_conversations(10)]
     bad = rows.copy()

@@ -1,4 +1,4 @@
-"""Compiled decoder layers (``trl_tree.compile``): the tree stays exact, the attention stays eager
+"""Compiled decoder layers (``trl_tree.engine.compile``): the tree stays exact, the attention stays eager
 between the compiled graphs, and new forest sizes reuse the graphs.
 
 Backend ``aot_eager``: Dynamo traces every layer child and AOTAutograd builds its forward and
@@ -16,11 +16,11 @@ from test_exactness import WORKLOADS
 from test_root_split import _math_backend
 from torch._dynamo.utils import counters
 
-from trl_tree import compile as tree_compile
+from trl_tree.engine import compile as tree_compile
 from trl_tree import tree_backward, tree_logprobs
-from trl_tree.compile import compile_layers, decoder_layers, uncompile_layers
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree.engine.compile import compile_layers, decoder_layers, uncompile_layers
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
 DEEP = random_tree(12, VOCAB, max_len=18, seed=7)

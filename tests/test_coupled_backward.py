@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from conftest import assert_grads_close, grads_of
 
 from trl_tree import TreeOptions, tree_backward, tree_logprobs
-from trl_tree import engine as engine_module
-from trl_tree.reference import untreed_logprobs
-from trl_tree.tiny import tiny_model
+from trl_tree.engine import api as engine_module
+from trl_tree.engine.reference import untreed_logprobs
+from trl_tree.data.tiny import tiny_model
 
 
 def _pairs_data(seed: int = 0):

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from test_exactness import WORKLOADS
 
 from trl_tree import PrefixForest, TreeOptions, tree_backward, tree_logprobs
-from trl_tree.attention import backends
-from trl_tree.cost_model import ActivationModel, GroupBudget
-from trl_tree.dfs.plan import plan_walk
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import random_tree, tiny_model
+from trl_tree.engine.attention import backends
+from trl_tree.engine.cost_model import ActivationModel, GroupBudget
+from trl_tree.engine.dfs.plan import plan_walk
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import random_tree, tiny_model
 
 
 def deep_tree(levels: int = 7, vocab: int = 96, seed: int = 0) -> list[list[int]]:
@@ -144,7 +144,7 @@ def test_random_forests(qwen2, seqs, chunk_size, keep_graph):
 
 
 def test_auto_mode_picks_from_the_memory_budget(qwen2):
-    from trl_tree.cost_model import choose_mode, estimate_bytes
+    from trl_tree.engine.cost_model import choose_mode, estimate_bytes
 
     seqs = deep_tree()
     forest = PrefixForest.from_sequences(seqs)
@@ -174,7 +174,7 @@ def split_attention_on_cpu(request, monkeypatch):
     """The dfs FlashAttention path (prefix rectangle + own tree, log-sum-exp merge, two partial
     backwards) run on the CPU with the math kernels of ``attention/partial.py``; ``dense``: the
     prefix rectangle and one-node units through the dense slot, as cuDNN runs them on a GPU."""
-    from trl_tree.attention import partial
+    from trl_tree.engine.attention import partial
 
     math = (partial.math_partial_forward, partial.math_partial_backward)
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", math)
@@ -200,7 +200,7 @@ def test_split_attention_under_checkpointing(split_attention_on_cpu):
 
 def _spy_plans(monkeypatch) -> list:
     """Every walk plan the engine makes from now on."""
-    from trl_tree.dfs import walk
+    from trl_tree.engine.dfs import walk
 
     plans = []
     original = walk.plan_walk
@@ -232,7 +232,7 @@ def test_merged_pops_match_the_untreed_model(qwen2, split_attention_on_cpu, monk
 def test_padded_walks_merge_only_short_nodes():
     """``merge_long_nodes=False`` (walks padded to buckets): a pop takes its first group along only
     where the group's nodes gather no more of the node's keys than the group has tokens."""
-    from trl_tree.tiny import grpo_group
+    from trl_tree.data.tiny import grpo_group
 
     short = PrefixForest.from_sequences(grpo_group(4, 12, 6, 96, seed=1))  # groups of 3 x 12: 3 x 4 keys gathered
     long_ = PrefixForest.from_sequences(grpo_group(12, 6, 6, 96, seed=1))  # groups of 3 x 6: 3 x 12 keys gathered
@@ -245,8 +245,8 @@ def test_padded_walks_merge_only_short_nodes():
 def test_walk_units_keep_their_attention_for_the_recompute(monkeypatch):
     """Under gradient checkpointing a unit keeps its attention outputs from the forward, so the
     recompute in its backward runs no attention kernel: exact, fewer kernel calls, nothing left kept."""
-    from trl_tree.attention import kept as kept_module
-    from trl_tree.attention import partial
+    from trl_tree.engine.attention import kept as kept_module
+    from trl_tree.engine.attention import partial
 
     forwards = [0]
     taken = [0]
@@ -298,7 +298,7 @@ def test_keep_graph_must_be_a_bool_or_none(qwen2):
 
 
 def _count_walk_forwards(monkeypatch) -> list[int]:
-    from trl_tree.dfs import walk
+    from trl_tree.engine.dfs import walk
 
     calls = [0]
     original = walk.tree_forward
@@ -338,7 +338,7 @@ def test_keep_graph_default_follows_gradient_checkpointing(monkeypatch, checkpoi
 def test_lm_head_weight_gradient_taken_once_per_walk(qwen2, monkeypatch):
     """Units score against a constant head; one call after the walk differentiates the weight
     (TRL's kernel allocates a full-size fp32 weight-gradient buffer per differentiated call)."""
-    from trl_tree import lm_head
+    from trl_tree.engine import lm_head
 
     trainable_calls = []
     original = lm_head.ChunkedLogProbFunction
@@ -364,7 +364,7 @@ def test_lm_head_weight_gradient_taken_once_per_walk(qwen2, monkeypatch):
 def test_walk_runs_its_prefix_and_one_node_units_dense(qwen2, monkeypatch):
     """With a dense pair registered, the cached prefix (a non-causal rectangle) and one-node units
     (a causal block as long as its keys) go through it; in-unit trees stay varlen."""
-    from trl_tree.attention import partial
+    from trl_tree.engine.attention import partial
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
     calls = []
@@ -389,7 +389,7 @@ def test_planned_dense_pairs_wait_for_a_shape_s_third_sighting(qwen2, monkeypatc
     and block only for shapes seen ``DENSE_AT_SIGHTING - 1`` times before — free-length rollouts,
     where no shape repeats, never pay a plan — and keeps one choice across the unit's layers,
     recompute and backward. Exact both ways."""
-    from trl_tree.attention import partial
+    from trl_tree.engine.attention import partial
 
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
     calls = []

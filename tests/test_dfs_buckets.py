@@ -1,4 +1,4 @@
-"""The walk's units padded to buckets (``trl_tree.dfs.buckets``, ``cuda_graphs="buckets"`` with
+"""The walk's units padded to buckets (``trl_tree.engine.dfs.buckets``, ``cuda_graphs="buckets"`` with
 ``mode="dfs"``), on the CPU with the stand-in replay of test_dfs_graphs.py.
 
 Padded units must give the untreed model's numbers on every attention path: the reference backends
@@ -16,13 +16,14 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 from test_dfs import deep_tree
 from test_dfs_graphs import VOCAB, _model
 
-from trl_tree import graphs, tree_backward, tree_logprobs
-from trl_tree.attention import backends, partial
-from trl_tree.dfs import buckets as dfs_buckets
-from trl_tree.dfs import graphs as dfs_graphs
-from trl_tree.dfs.plan import Unit, unit_layout
-from trl_tree.forest import PrefixForest
-from trl_tree.reference import untreed_backward, untreed_logprobs
+from trl_tree.engine import graphs
+from trl_tree import tree_backward, tree_logprobs
+from trl_tree.engine.attention import backends, partial
+from trl_tree.engine.dfs import buckets as dfs_buckets
+from trl_tree.engine.dfs import graphs as dfs_graphs
+from trl_tree.engine.dfs.plan import Unit, unit_layout
+from trl_tree.engine.forest import PrefixForest
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
 
 
 def free_groups(seed: int, prompts: int = 2, group: int = 4) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the depth-first walk's units (``trl_tree.dfs.graphs``), on the CPU.
+"""CUDA-graph replay of the depth-first walk's units (``trl_tree.engine.dfs.graphs``), on the CPU.
 
 As in test_graphs.py, ``graphs.EagerReplay`` stands in for a CUDA graph (a replay reruns the
 captured function into the static outputs); signatures, static inputs refreshed per unit, the kept
@@ -14,10 +14,11 @@ import torch
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 from test_dfs import deep_tree
 
-from trl_tree import graphs, tree_backward, tree_logprobs
-from trl_tree.dfs import graphs as dfs_graphs
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import grpo_group, tiny_model
+from trl_tree.engine import graphs
+from trl_tree import tree_backward, tree_logprobs
+from trl_tree.engine.dfs import graphs as dfs_graphs
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import grpo_group, tiny_model
 
 VOCAB = 96
 GROUP = grpo_group(12, 8, 4, VOCAB, seed=1)  # a prompt and 8 completions of 4 tokens

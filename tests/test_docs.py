@@ -38,7 +38,7 @@ def test_site_has_every_page_and_the_api_from_the_docstrings(site):
                  "benchmarks/index.html", "faq/index.html", "limitations/index.html"):
         assert (site / page).is_file(), page
     reference = (site / "reference" / "index.html").read_text()
-    assert 'id="trl_tree.engine.tree_logprobs"' in reference
+    assert 'id="trl_tree.engine.api.tree_logprobs"' in reference
     assert "computing each shared token once" in reference  # tree_logprobs' docstring, rendered
     for figure in ("forest", "visibility", "walk", "gradients"):
         assert (site / "figures" / f"{figure}.png").is_file()

@@ -118,8 +118,8 @@ ONE_PASS_CASES = {
 def test_one_pass_walk_matches_stock(checkpoint, monkeypatch, case):
     """dfs in one pass (``dpo_walk``): each unit back-propagates its pairs' loss — stock's, on the
     unit's log-probs — as it scores them; no scoring pass first (spied: the walk never falls back)."""
-    from trl_tree import engine
-    from trl_tree.trainers import dpo
+    from trl_tree.engine import api as engine
+    from trl_tree.trainers.offline import dpo
 
     fallbacks, one_pass = [], []
     linearised = engine._linearised_loss
@@ -133,7 +133,7 @@ def test_one_pass_walk_matches_stock(checkpoint, monkeypatch, case):
 def test_one_pass_walk_checks_the_trainers_scale(checkpoint, monkeypatch):
     """The walk scales each unit's loss as the Trainer's backward will; a different scale is an error,
     never a silently wrong gradient."""
-    from trl_tree.trainers import dpo_walk
+    from trl_tree.trainers.offline import dpo_walk
 
     monkeypatch.setattr(dpo_walk, "_gradient_scale", lambda trainer, n: 0.25)
     with pytest.raises(RuntimeError, match="scaled the loss by 0.25"):
@@ -172,7 +172,7 @@ def test_cuda_graphs_replay_the_policy_call(checkpoint, monkeypatch):
     """``tree_cuda_graphs=True``: the same pairs every step, so from the second the policy's packed call
     replays its captured graphs (the CPU stand-in), the head's argmax and mean logit included (DPO's
     metrics); the update and every logged number are stock's."""
-    from trl_tree import graphs
+    from trl_tree.engine import graphs
 
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
     captures = []
@@ -225,7 +225,7 @@ def test_groups_bring_the_pairs_of_a_prompt_together(checkpoint, caplog):
     data = Dataset.from_list(rows)
     logs = {}
     for shuffle in ("rows", "groups"):
-        with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+        with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.offline.sft_sampler"):
             _, log = run(TreeDPOTrainer, TreeDPOConfig, checkpoint, data, tree_shuffle=shuffle, max_steps=-1,
                          num_train_epochs=1)
         logs[shuffle] = [e for e in log if "loss" in e]

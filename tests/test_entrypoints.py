@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from trl_tree.bench.common import StepCost, step_flops
-from trl_tree.tiny import shaped_config
+from trl_tree.data.tiny import shaped_config
 
 
 def test_demo_trains_with_the_tree_and_times_stock_grpo(capsys):
-    from trl_tree.demo import main
+    from trl_tree.tools.demo import main
 
     assert main(["--steps", "2", "--stock-steps", "2"]) == 0
     out = capsys.readouterr().out
@@ -173,10 +173,10 @@ def test_trainer_bench_update_check(tmp_path, monkeypatch):
     later launch reads the reference and stock's error from the directory."""
     import json
 
-    import trl_tree.tiny
+    import trl_tree.data.tiny
     from trl_tree.bench.trainer import main
 
-    monkeypatch.setitem(trl_tree.tiny.QWEN2_SHAPES, "0.5b", (64, 128, 2, 4, 2, 1000, 4096))
+    monkeypatch.setitem(trl_tree.data.tiny.QWEN2_SHAPES, "0.5b", (64, 128, 2, 4, 2, 1000, 4096))
     shape = ["--size", "0.5b", "--group", "4", "--prompt", "16", "--completion", "8", "--per-device", "2",
              "--accumulation", "4", "--free-lengths", "--update-check", str(tmp_path / "ref")]
     with pytest.raises(FileNotFoundError, match="no reference"):
@@ -201,7 +201,7 @@ def test_committed_dfs_results_render_with_their_calls():
     from trl_tree import PrefixForest
     from trl_tree.bench.dfs import agentic_tree, walk_shape
     from trl_tree.bench.report import dfs_table
-    from trl_tree.tiny import grpo_group
+    from trl_tree.data.tiny import grpo_group
 
     with open("docs/benchmarks/dfs_0.5b_h200.json") as f:
         payload = json.load(f)
@@ -244,7 +244,7 @@ def test_flops_without_the_attention_recompute_drop_one_attention_pass():
 
 def test_kernels_option_patches_or_refuses_clearly(monkeypatch):
     from trl_tree.bench.common import KERNELS, apply_kernels
-    from trl_tree.tiny import tiny_model
+    from trl_tree.data.tiny import tiny_model
 
     model = tiny_model("qwen2")
     before = type(model.model.layers[0].mlp).forward
@@ -253,7 +253,7 @@ def test_kernels_option_patches_or_refuses_clearly(monkeypatch):
     with pytest.raises(ValueError, match="unknown kernels"):
         apply_kernels(model, "triton")
     assert KERNELS == ("hf", "liger", "compiled")
-    from trl_tree import compile as tree_compile
+    from trl_tree.engine import compile as tree_compile
 
     monkeypatch.setattr(tree_compile, "BACKEND", "aot_eager")
     apply_kernels(model, "compiled")  # every layer child compiled, the model's classes untouched
@@ -271,11 +271,11 @@ def test_committed_suite_split_decisions_match_the_rule():
     import json
 
     from trl_tree import PrefixForest
-    from trl_tree.attention.metadata import use_root_split
-    from trl_tree.attention.partial import CUDNN_MAX_HEAD_DIM, CUDNN_MIN_HEAD_DIM
-    from trl_tree.attention.root_split import RootSplitLayout
+    from trl_tree.engine.attention.metadata import use_root_split
+    from trl_tree.engine.attention.partial import CUDNN_MAX_HEAD_DIM, CUDNN_MIN_HEAD_DIM
+    from trl_tree.engine.attention.root_split import RootSplitLayout
     from trl_tree.bench.workloads import suite_workloads
-    from trl_tree.model_parts import head_dim_of
+    from trl_tree.engine.model_parts import head_dim_of
 
     with open("docs/benchmarks/suite_h200.json") as f:
         payload = json.load(f)
@@ -363,12 +363,12 @@ def test_sync_stacks_counts_synchronisations_by_their_python_stack():
 
 
 def test_profiled_ranges_open_one_per_call():
-    """``trl_tree._profiling.profiled``: a call inside another call of the same function opens a
+    """``trl_tree.engine._profiling.profiled``: a call inside another call of the same function opens a
     range of its own (``record_function`` as a decorator shares one object between the calls)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from trl_tree._profiling import profiled
+    from trl_tree.engine._profiling import profiled
 
     @profiled("trl_tree.test.nested")
     def countdown(n: int) -> int:

@@ -9,10 +9,11 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_tree import PrefixForest, cost_model, packed, tree_backward, tree_logprobs
-from trl_tree.layout import LAYOUT
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import FAMILIES, grpo_group, random_tree, tiny_model
+from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.engine import cost_model, packed
+from trl_tree.engine.layout import LAYOUT
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import FAMILIES, grpo_group, random_tree, tiny_model
 
 VOCAB = 96
 

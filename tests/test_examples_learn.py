@@ -53,7 +53,7 @@ def run_example(script: str, argv: list[str], monkeypatch, tmp_path) -> None:
 def test_demo_ppo_learns(capsys):
     """``python -m trl_tree --algo ppo``, shortened: the tree run's reward rises, and the untreed
     step is timed against it."""
-    from trl_tree.demo import main
+    from trl_tree.tools.demo import main
 
     assert main(["--algo", "ppo", "--steps", "7", "--stock-steps", "1"]) == 0
     out = capsys.readouterr().out

@@ -19,10 +19,10 @@ from test_dfs import check_dfs, deep_tree
 from test_exactness import WORKLOADS, check_exact
 from test_model_variants import WINDOWED, check_model
 
-from trl_tree.attention import backends, fa4, partial
-from trl_tree.dfs import walk
-from trl_tree.layout import LAYOUT
-from trl_tree.tiny import tiny_model
+from trl_tree.engine.attention import backends, fa4, partial
+from trl_tree.engine.dfs import walk
+from trl_tree.engine.layout import LAYOUT
+from trl_tree.data.tiny import tiny_model
 
 CALLS: list[str] = []
 
@@ -115,7 +115,7 @@ def test_softcap_stays_on_the_gathered_path(monkeypatch, fa4_on_cpu):
     backends._flash_kwargs_accepted.cache_clear()
     try:
         from trl_tree import PrefixForest
-        from trl_tree.attention.metadata import TreeAttentionMetadata
+        from trl_tree.engine.attention.metadata import TreeAttentionMetadata
 
         meta = TreeAttentionMetadata.from_forest(PrefixForest.from_sequences([[1, 2, 3], [1, 2, 4]]),
                                                  torch.device("cpu"), "flash")

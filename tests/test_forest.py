@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_tree import PrefixForest
-from trl_tree.tiny import grpo_group, random_tree
+from trl_tree.data.tiny import grpo_group, random_tree
 
 
 def brute_force_check(seqs: list[list[int]], forest: PrefixForest) -> None:

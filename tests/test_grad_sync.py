@@ -1,4 +1,4 @@
-"""The trainers' by-hand gradient averaging (``trainers/grad_sync.py``): bounded buckets, one dtype
+"""The trainers' by-hand gradient averaging (``distributed/grad_sync.py``): bounded buckets, one dtype
 per bucket, results equal to the one-flat-buffer average. Ranks are stood in for by an all-reduce
 that adds the other ranks' gradients; the real collective runs in ``test_distributed.py``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_tree.trainers.grad_sync import average_gradients, gradient_buckets
+from trl_tree.distributed.grad_sync import average_gradients, gradient_buckets
 
 
 def _params(shapes_dtypes, seed=0):
@@ -127,7 +127,7 @@ def test_the_overlapped_averager_does_not_keep_the_model_alive():
     import gc
     import weakref
 
-    from trl_tree.trainers.grad_sync import GradientAverager
+    from trl_tree.distributed.grad_sync import GradientAverager
 
     model = torch.nn.Linear(4, 4)
     averager = GradientAverager(model.parameters(), 2, all_reduce=lambda t, async_op=False: None)

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of packed training calls (``trl_tree.graphs``), on the CPU.
+"""CUDA-graph replay of packed training calls (``trl_tree.engine.graphs``), on the CPU.
 
 CPU has no CUDA graphs, so ``graphs.EagerReplay`` stands in for one: a "replay" runs the captured
 function again and leaves its outputs in the first run's tensors, as a graph leaves them in its
@@ -15,10 +15,11 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_tree import PrefixForest, graphs, packed, tree_backward, tree_logprobs
-from trl_tree.layout import LAYOUT
-from trl_tree.reference import untreed_backward
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree import PrefixForest, tree_backward, tree_logprobs
+from trl_tree.engine import graphs, packed
+from trl_tree.engine.layout import LAYOUT
+from trl_tree.engine.reference import untreed_backward
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
 GROUP = grpo_group(12, 6, 4, VOCAB, seed=1)
@@ -225,7 +226,7 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     """Where cuDNN pays only without the host's cost per call (head_dim 64, ``CUDNN_GRAPHED_MIN_HEAD_DIM``),
     a layout's eager calls keep the varlen kernels and its captured graphs hold the dense ones: the
     choice is part of the metadata, hence of the layout signature. Exact either way."""
-    from trl_tree.attention import backends, partial
+    from trl_tree.engine.attention import backends, partial
 
     dense_calls = []
 
@@ -241,7 +242,7 @@ def test_graphed_calls_may_take_the_dense_kernels_eager_calls_do_not(stand_in, m
     monkeypatch.setattr(graphs, "GRAPH_BACKENDS", (*graphs.GRAPH_BACKENDS, "math"))
     monkeypatch.setattr(packed, "dense_blocks", lambda parts, backend, graphed=False: graphed)
     monkeypatch.setattr(LAYOUT, "root_split", True)
-    from trl_tree.attention import metadata
+    from trl_tree.engine.attention import metadata
 
     uploads = []
     real_upload = metadata.upload
@@ -309,7 +310,7 @@ def graph_backend(request, monkeypatch):
     """The CPU's masked attention (sdpa), or the packed FlashAttention function's varlen path with the
     math kernels standing in for FA2 (no dense pair: a bucketed layout never splits)."""
     if request.param == "varlen":
-        from trl_tree.attention import backends, partial
+        from trl_tree.engine.attention import backends, partial
 
         monkeypatch.setitem(partial.PARTIAL_KERNELS, "math", (partial.math_partial_forward, partial.math_partial_backward))
         monkeypatch.setitem(backends.TREE_ATTENTION, "math", backends.torch_flash_tree_attention)
@@ -321,7 +322,7 @@ def graph_backend(request, monkeypatch):
 def test_layouts_that_never_repeat_replay_their_bucket(stand_in, graph_backend):
     """Free-length groups: no layout is seen twice, yet from the second call on they share the
     graphs of one padded layout — and every call gives the untreed model's gradients."""
-    from trl_tree.attention.buckets import BucketedLayout
+    from trl_tree.engine.attention.buckets import BucketedLayout
 
     model = _model()
     forests = [PrefixForest.from_sequences(seqs) for seqs in FREE]
@@ -369,7 +370,7 @@ def test_buckets_only_pads_a_repeating_layout_too(stand_in, monkeypatch):
 
 
 def test_bucket_rounding():
-    from trl_tree.attention.buckets import bucket
+    from trl_tree.engine.attention.buckets import bucket
 
     assert [bucket(n) for n in (1, 7, 16, 17, 100, 10_240, 10_241)] == [1, 7, 16, 18, 104, 10_240, 11_264]
     for n in range(1, 5000):
@@ -384,7 +385,7 @@ def test_padding_keeps_every_real_query_s_keys(seed):
     read pad rows, padded predictions read a pad row — whatever the bucket sizes."""
     import numpy as np
 
-    from trl_tree.attention.buckets import BucketedLayout, bucket
+    from trl_tree.engine.attention.buckets import BucketedLayout, bucket
 
     forest = PrefixForest.from_sequences(random_tree(1 + seed % 12, VOCAB, max_len=30, seed=seed))
     plan = forest.scoring_plan(None)
@@ -439,7 +440,7 @@ def test_the_graph_state_does_not_keep_a_deleted_model_alive(stand_in):
     import gc
     import weakref
 
-    from trl_tree.dfs import graphs as dfs_graphs
+    from trl_tree.engine.dfs import graphs as dfs_graphs
 
     model = _model()
     seqs = grpo_group(6, 4, 2, VOCAB, seed=0)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import grads_of, weighted_loss
 
-from trl_tree import graphs, tree_backward
-from trl_tree.tiny import grpo_group, tiny_model
+from trl_tree.engine import graphs
+from trl_tree import tree_backward
+from trl_tree.data.tiny import grpo_group, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

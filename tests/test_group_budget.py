@@ -11,9 +11,9 @@ from test_dfs import check_dfs, deep_tree
 
 from trl_tree import PrefixForest
 from trl_tree.bench.workloads import suite_workloads
-from trl_tree.cost_model import ActivationModel, GroupBudget
-from trl_tree.dfs.plan import _balanced_groups, _greedy_groups, plan_walk
-from trl_tree.tiny import shaped_config, tiny_model
+from trl_tree.engine.cost_model import ActivationModel, GroupBudget
+from trl_tree.engine.dfs.plan import _balanced_groups, _greedy_groups, plan_walk
+from trl_tree.data.tiny import shaped_config, tiny_model
 
 
 @settings(max_examples=200, deadline=None)
@@ -60,7 +60,7 @@ def test_walk_unit_floor_only_ever_enlarges_units():
     sequence needs less and leaves it where it needs more; the CPU has none."""
     import torch
 
-    from trl_tree.cost_model import walk_unit_floor
+    from trl_tree.engine.cost_model import walk_unit_floor
 
     assert walk_unit_floor(torch.device("cpu")) is None
     config = shaped_config("1.5b")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trl_tree import tree_logprobs
-from trl_tree.layout import LAYOUT
-from trl_tree.tiny import tiny_model
+from trl_tree.engine.layout import LAYOUT
+from trl_tree.data.tiny import tiny_model
 
 NAMES = ("is_top1", "mean_logits", "log_sum_sq_probs")
 

@@ -13,14 +13,27 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trl_tree"
 
-#: Layers from the bottom up; a module may import only from its own layer or those below it.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trl_tree._device", "trl_tree._inputs", "trl_tree.options", "trl_tree.forest", "trl_tree.model_parts", "trl_tree.router",
-     "trl_tree.lm_head", "trl_tree.layout", "trl_tree.cost_model"),
-    ("trl_tree.attention",),
-    ("trl_tree.packed",),
-    ("trl_tree.graphs", "trl_tree.dfs"),
+#: The package's rooms from the bottom up (DESIGN.md, "Layout"): a module may import only from its own
+#: room or those below it. ``data/`` (users' data, the tiny models) sits below them all.
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("trl_tree.data",),
     ("trl_tree.engine",),
+    ("trl_tree.distributed",),
+    ("trl_tree.trainers",),
+    ("trl_tree.inspection",),
+    ("trl_tree.bench",),
+    ("trl_tree.tools",),
+)
+
+#: Inside the engine, from the bottom up: the forest and the model's parts, the attention (which asks
+#: nothing of the walk), the packed pass, the CUDA graphs and the walk that reuse it, the entry points.
+ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
+    tuple(f"trl_tree.engine.{m}" for m in ("_device", "_inputs", "options", "forest", "model_parts", "router",
+                                           "lm_head", "layout", "cost_model")),
+    ("trl_tree.engine.attention",),
+    ("trl_tree.engine.packed",),
+    ("trl_tree.engine.graphs", "trl_tree.engine.dfs"),
+    ("trl_tree.engine.api",),
 )
 
 
@@ -91,8 +104,8 @@ def import_cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
     return cycles
 
 
-def _layer_of(module: str) -> int | None:
-    for level, members in enumerate(LAYERS):
+def _layer_of(module: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    for level, members in enumerate(layers):
         if any(module == m or module.startswith(m + ".") for m in members):
             return level
     return None
@@ -106,12 +119,28 @@ def test_the_package_has_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(described)
 
 
-def test_no_layer_imports_from_a_layer_above_it():
-    edges = module_imports(PACKAGE)
-    upward = [f"{a} (layer {_layer_of(a)}) imports {b} (layer {_layer_of(b)}) at line {line}"
-              for a, targets in edges.items() for b, line in targets.items()
-              if _layer_of(a) is not None and _layer_of(b) is not None and _layer_of(b) > _layer_of(a)]
+def _upward(edges: dict[str, dict[str, int]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    return [f"{a} (layer {_layer_of(a, layers)}) imports {b} (layer {_layer_of(b, layers)}) at line {line}"
+            for a, targets in edges.items() for b, line in targets.items()
+            if _layer_of(a, layers) is not None and _layer_of(b, layers) is not None
+            and _layer_of(b, layers) > _layer_of(a, layers)]
+
+
+def test_no_room_imports_from_a_room_above_it():
+    upward = _upward(module_imports(PACKAGE), ROOMS)
     assert not upward, "\n".join(upward)
+
+
+def test_no_engine_layer_imports_from_a_layer_above_it():
+    upward = _upward(module_imports(PACKAGE), ENGINE_LAYERS)
+    assert not upward, "\n".join(upward)
+
+
+def test_every_module_lives_in_a_room():
+    """The top level holds the rooms, the lazy public names and ``inspection.py``, nothing else."""
+    loose = sorted(m for m in module_imports(PACKAGE) if m not in ("trl_tree", "trl_tree.__main__")
+                   and _layer_of(m, ROOMS) is None)
+    assert not loose, f"modules outside the rooms: {loose}"
 
 
 def test_the_check_finds_a_cycle_hidden_in_a_lazy_import(tmp_path):
@@ -127,7 +156,8 @@ def test_the_check_finds_a_cycle_hidden_in_a_lazy_import(tmp_path):
     assert import_cycles(edges) == [["trl_tree.inner.high", "trl_tree.low"]]
 
 
-@pytest.mark.parametrize("module", ["trl_tree.dfs.walk"])
+@pytest.mark.parametrize("module", ["trl_tree.engine.dfs.walk", "trl_tree.engine.forest", "trl_tree.distributed.window",
+                                    "trl_tree.data.toy"])
 def test_each_layer_imports_on_its_own(module):
     """A module whose import needs a module above it to be imported first is a cycle Python hides."""
     import subprocess
@@ -135,3 +165,20 @@ def test_each_layer_imports_on_its_own(module):
 
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_one_engine_module_loads_only_what_it_imports():
+    """``engine/__init__`` re-exports the engine's public names lazily: importing the forest (what the
+    cost model, the sampler and ``inspect`` need) loads neither the attention nor the entry points,
+    while ``from trl_tree.engine import tree_backward`` still works."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trl_tree.engine.forest; "
+            "print(sorted(m for m in sys.modules if m.startswith('trl_tree.engine.'))); "
+            "from trl_tree.engine import tree_backward, PrefixForest, TreeOptions; print(tree_backward.__module__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, module = done.stdout.strip().splitlines()
+    assert loaded == "['trl_tree.engine._inputs', 'trl_tree.engine.forest']"
+    assert module == "trl_tree.engine.api"

@@ -10,12 +10,13 @@ import torch
 from test_exactness import WORKLOADS, check_exact
 from test_root_split import _math_backend
 
-from trl_tree import packed, tree_backward, tree_logprobs
-from trl_tree.attention import backends, kept
-from trl_tree.attention.kept import KeptAttention
-from trl_tree.cost_model import ActivationModel, estimate_bytes
-from trl_tree.layout import LAYOUT, layout_choices
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree.engine import packed
+from trl_tree import tree_backward, tree_logprobs
+from trl_tree.engine.attention import backends, kept
+from trl_tree.engine.attention.kept import KeptAttention
+from trl_tree.engine.cost_model import ActivationModel, estimate_bytes
+from trl_tree.engine.layout import LAYOUT, layout_choices
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
 SEQS = grpo_group(10, 5, 4, VOCAB, num_prompts=2, seed=3)
@@ -171,7 +172,7 @@ def test_keep_attention_argument_overrides_the_engine_default(flash_path_on_cpu,
 def test_trainer_config_passes_keep_attention():
     """``tree_keep_attention`` reaches every engine call of the trainers (through ``_mode_kwargs``)."""
     from trl_tree.trainers import TreeGRPOConfig
-    from trl_tree.trainers.mixin import TreeTrainerMixin
+    from trl_tree.trainers.online.mixin import TreeTrainerMixin
 
     cpu = dict(output_dir="/tmp/unused", use_cpu=True, bf16=False)
     assert TreeGRPOConfig(**cpu).tree_keep_attention is True

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("trl.experimental.async_grpo")
 
-from trl_tree.toy import build_tiny_policy
-from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+from trl_tree.data.toy import build_tiny_policy
+from trl_tree.trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
 
 def short_answers(completions, **_):
@@ -59,7 +59,7 @@ def test_staleness_occurs_bounded_and_old_log_probs_are_the_generating_policys(t
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from trl_tree.trainers.local_rollout import LocalRolloutWorker
+    from trl_tree.trainers.asynchronous.local_rollout import LocalRolloutWorker
 
     path = build_tiny_policy(tmp_path / "policy", hidden_size=32, num_layers=2, chat=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -131,9 +131,9 @@ def test_local_worker_runs_the_tool_loop(tmp_path):
     from accelerate import PartialState
     from datasets import Dataset
 
-    from trl_tree.tiny import tiny_model
-    from trl_tree.toy import chat_tokenizer
-    from trl_tree.trainers.local_rollout import LocalRolloutWorker
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.data.toy import chat_tokenizer
+    from trl_tree.trainers.asynchronous.local_rollout import LocalRolloutWorker
 
     tok = chat_tokenizer()
     model = tiny_model("qwen2", vocab_size=len(tok))

@@ -8,9 +8,9 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 from transformers import AttentionInterface
 
 from trl_tree import tree_backward, tree_logprobs
-from trl_tree.attention.backends import _GatherRows
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree.engine.attention.backends import _GatherRows
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 SEQS = random_tree(10, 96, max_len=16, seed=7) + grpo_group(8, 5, 4, 96, seed=2)
 
@@ -102,9 +102,9 @@ def test_gather_rows_backward_sums_in_fp32():
 def test_flash_adapter_calls_the_varlen_api(monkeypatch):
     """The flash-attn adapter (not runnable here: no CUDA, no flash-attn) gets FA2-style arguments,
     filtered to what the installed function accepts (FA4's ``flash_attn.cute`` has fewer)."""
-    from trl_tree.attention import backends
-    from trl_tree.attention.metadata import TreeAttentionMetadata
-    from trl_tree.forest import PrefixForest
+    from trl_tree.engine.attention import backends
+    from trl_tree.engine.attention.metadata import TreeAttentionMetadata
+    from trl_tree.engine.forest import PrefixForest
 
     seen = {}
 

@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from trl_tree import tree_backward, tree_logprobs
-from trl_tree.attention import backends, partial
-from trl_tree.attention.metadata import TreeAttentionMetadata
-from trl_tree.reference import untreed_backward, untreed_logprobs
-from trl_tree.router import RouterAux
-from trl_tree.tiny import random_tree, tiny_model
+from trl_tree.engine.attention import backends, partial
+from trl_tree.engine.attention.metadata import TreeAttentionMetadata
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs
+from trl_tree.engine.router import RouterAux
+from trl_tree.data.tiny import random_tree, tiny_model
 
 SEQS = [s for s in random_tree(10, 96, max_len=20, seed=3) if len(s) > 1]  # paths up to 20 tokens
 
@@ -83,7 +83,7 @@ def test_window_mask_is_what_makes_it_exact():
 
 
 def test_variants_refused_where_a_kernel_cannot_compute_them():
-    from trl_tree.attention.support import attention_refusal, unsupported_variant
+    from trl_tree.engine.attention.support import attention_refusal, unsupported_variant
 
     assert "soft-capping" in unsupported_variant("torch_flash", "packed", softcap=30.0)
     assert unsupported_variant("flex", "packed", softcap=30.0) is None
@@ -280,8 +280,8 @@ def test_fp32_weights_under_autocast(mode, monkeypatch):
     """Mixed precision (fp32 weights, ``bf16=True``): the attention runs in the autocast dtype, as the
     model's own SDPA does under autocast, the backend is chosen for it, and the tree keeps DESIGN.md's
     bf16 rule against the fp32 reference (its error at most 1.5x the untreed autocast forward's)."""
-    from trl_tree.dfs import stack
-    from trl_tree.model_parts import model_parts
+    from trl_tree.engine.dfs import stack
+    from trl_tree.engine.model_parts import model_parts
 
     seen = set()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trl_tree.model_parts import activation_checkpointing, trainable_parameters
-from trl_tree.tiny import tiny_model
+from trl_tree.engine.model_parts import activation_checkpointing, trainable_parameters
+from trl_tree.data.tiny import tiny_model
 
 
 def _models():

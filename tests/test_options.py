@@ -9,7 +9,7 @@ import torch
 from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_loss
 
 from trl_tree import TreeOptions, tree_backward, tree_logprobs, tree_value_backward, tree_values
-from trl_tree.tiny import grpo_group
+from trl_tree.data.tiny import grpo_group
 
 SEQS = grpo_group(8, 6, 4, 96, num_prompts=2, seed=5)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_tree.attention.partial import (
+from trl_tree.engine.attention.partial import (
     math_dense_backward,
     math_dense_forward,
     math_partial_backward,
@@ -138,7 +138,7 @@ def test_dense_pair_refuses_a_causal_block_with_fewer_queries_than_keys():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's FlashAttention needs a CUDA device")
 def test_flash_kernels_follow_the_math_contract():
-    from trl_tree.attention.partial import flash_partial_backward, flash_partial_forward
+    from trl_tree.engine.attention.partial import flash_partial_backward, flash_partial_forward
 
     q, k_all, v_all, mask, d, kv_local, cu_q, cu_k = own_tree_case(3)
     q, k_all, v_all = (x.to("cuda", torch.bfloat16).repeat(1, 1, 8) for x in (q, k_all, v_all))  # head_dim 64
@@ -157,7 +157,7 @@ def test_flash_kernels_follow_the_math_contract():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs a CUDA device")
 def test_cudnn_dense_pair_follows_the_math_contract():
     """cuDNN's causal mask with more queries than keys is aligned top-left, like the math dense pair."""
-    from trl_tree.attention.partial import cudnn_dense_backward, cudnn_dense_forward
+    from trl_tree.engine.attention.partial import cudnn_dense_backward, cudnn_dense_forward
 
     q, k, v, R = root_block_and_rectangle_case(4, R=80, below=70)
     q, k, v = (x.to("cuda", torch.bfloat16).repeat(1, 1, 8) for x in (q, k, v))  # head_dim 64

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tiny_checkpoint  # noqa: E402
 
 from trl_tree import TreePPOConfig, TreePPOTrainer  # noqa: E402
-from trl_tree.trainers import advantages as adv  # noqa: E402
+from trl_tree.trainers.online import advantages as adv  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 # with the harness's gradient accumulation (2) and num_iterations (2 PPO epochs): 2 optimizer steps per epoch
@@ -299,7 +299,7 @@ def test_toy_run_raises_reward_and_explained_variance(tmp_path):
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
 
-    from trl_tree.toy import build_tiny_policy, reward_letter_a, toy_prompts
+    from trl_tree.data.toy import build_tiny_policy, reward_letter_a, toy_prompts
 
     path = build_tiny_policy(tmp_path / "policy", hidden_size=32, num_layers=2)
     args = TreePPOConfig(
@@ -360,7 +360,7 @@ def _trainer(checkpoint, tmp_path, **kwargs):
 def test_bad_critics_refused_at_construction(checkpoint, tmp_path):
     from transformers import AutoModelForTokenClassification
 
-    from trl_tree.tiny import tiny_config
+    from trl_tree.data.tiny import tiny_config
 
     with pytest.raises(ValueError, match="peft_config"):
         _trainer(checkpoint, tmp_path, fields={"critic": "adapter"})
@@ -400,7 +400,7 @@ def test_a_value_model_of_another_tokenizer_is_warned_about(checkpoint, tmp_path
 
     from transformers import AutoModelForTokenClassification
 
-    from trl_tree.tiny import tiny_config
+    from trl_tree.data.tiny import tiny_config
 
     other = AutoModelForTokenClassification.from_config(tiny_config("llama", vocab_size=200, num_labels=1))
     with pytest.warns(UserWarning, match="looks made for another tokenizer: .*model_type 'llama'"):

@@ -19,8 +19,8 @@ from test_short_conv import FORESTS, WALKS, check_exact
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from trl_tree import tree_logprobs  # noqa: E402
-from trl_tree.mixers.scan import ZERO, Segments, _parents  # noqa: E402
-from trl_tree.tiny import tiny_model  # noqa: E402
+from trl_tree.engine.mixers.scan import ZERO, Segments, _parents  # noqa: E402
+from trl_tree.data.tiny import tiny_model  # noqa: E402
 
 #: the two mixer kinds, each through a family whose tests cover every path; the other Mamba-2 families
 #: share the mixer's code and are checked on one forest
@@ -169,7 +169,7 @@ def test_a_transformers_without_the_layers_kernel_is_refused_at_validation(monke
     model is refused when validated (a trainer's construction), not at its first step."""
     import sys
 
-    from trl_tree.model_parts import model_parts
+    from trl_tree.engine.model_parts import model_parts
 
     model = tiny_model("nemotron_h")
     monkeypatch.delattr(sys.modules[type(model.model.layers[0].mixer).__module__], "mamba2_chunk_scan")

@@ -12,9 +12,9 @@ import pytest
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher  # noqa: E402
 
-from trl_tree.tiny import tiny_config  # noqa: E402
-from trl_tree.trainers.balance import imbalance  # noqa: E402
-from trl_tree.trainers.rollout_batcher import RolloutBatcher, flop_cost  # noqa: E402
+from trl_tree.data.tiny import tiny_config  # noqa: E402
+from trl_tree.distributed.balance import imbalance  # noqa: E402
+from trl_tree.trainers.asynchronous.rollout_batcher import RolloutBatcher, flop_cost  # noqa: E402
 
 
 def stream(groups: int = 24, seed: int = 0, oversize: set[int] = frozenset()) -> list[dict]:

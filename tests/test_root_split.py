@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from test_exactness import WORKLOADS, check_exact
 
 from trl_tree import PrefixForest, tree_logprobs
-from trl_tree.attention import backends, partial
-from trl_tree.attention.metadata import TreeAttentionMetadata, use_root_split
-from trl_tree.attention.root_split import RootSplitLayout
-from trl_tree.layout import LAYOUT, layout_choices
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree.engine.attention import backends, partial
+from trl_tree.engine.attention.metadata import TreeAttentionMetadata, use_root_split
+from trl_tree.engine.attention.root_split import RootSplitLayout
+from trl_tree.engine.layout import LAYOUT, layout_choices
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 VOCAB = 96
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ def test_the_reference_backends_attend_tree_by_tree(seqs):
     neighbours merged, or with ``SPAN_TOKENS=0`` only up to the largest tree), the forest's mask sees
     nothing outside their blocks, each block is ``span_mask``'s, and the attention equals the
     forest-wide masked one, with and without a sliding window."""
-    from trl_tree.attention import metadata
+    from trl_tree.engine.attention import metadata
 
     forest = PrefixForest.from_sequences(seqs)
     trees = metadata.tree_ranges(forest.subtree_end)

@@ -1,10 +1,10 @@
-"""SFT data helpers: per-turn samples and a tree's root-to-leaf samples (``trl_tree.sft_data``)."""
+"""SFT data helpers: per-turn samples and a tree's root-to-leaf samples (``trl_tree.data.sft_data``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from trl_tree.sft_data import branch_samples, expand_turns, expand_turns_batched
+from trl_tree.data.sft_data import branch_samples, expand_turns, expand_turns_batched
 
 CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"key": "alpha"}}}
 CONVERSATION = {

@@ -10,7 +10,7 @@ from sft_harness import dataset, run, save_sft_checkpoint
 from test_examples_learn import run_example
 
 from trl_tree import PrefixForest, TreeSFTConfig, TreeSFTTrainer
-from trl_tree.trainers.sft_sampler import PrefixGroupedSampler, SampleTrie, grouping_estimate
+from trl_tree.trainers.offline.sft_sampler import PrefixGroupedSampler, SampleTrie, grouping_estimate
 
 
 def _per_turn_samples(conversations=12, turns=5, seed=0):

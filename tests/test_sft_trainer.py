@@ -171,12 +171,12 @@ def test_construction_says_what_grouping_buys(checkpoint, caplog):
 
     from datasets import Dataset
 
-    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.offline.sft_sampler"):
         run(TreeSFTTrainer, TreeSFTConfig, checkpoint, dataset("turns", n=4, turns=4), max_steps=1)
     assert any("in TRL's order" in r.message and "with tree_shuffle='groups'" in r.message for r in caplog.records)
     caplog.clear()
     distinct = Dataset.from_list([{"text": c * 30} for c in "abcdefgh"])
-    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.sft_sampler"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainers.offline.sft_sampler"):
         run(TreeSFTTrainer, TreeSFTConfig, checkpoint, distinct, max_steps=1)
     assert any("the tree gives nothing here" in r.message for r in caplog.records)
 
@@ -198,7 +198,7 @@ def test_padded_calls_follow_the_engine(checkpoint, monkeypatch):
     share nothing do, unless the layout switch turns the padded path off."""
     from datasets import Dataset
 
-    from trl_tree.layout import LAYOUT
+    from trl_tree.engine.layout import LAYOUT
 
     distinct = Dataset.from_list([{"text": c * 30} for c in "abcd"])
     _, log = run(TreeSFTTrainer, TreeSFTConfig, checkpoint, distinct)

@@ -14,8 +14,8 @@ from conftest import assert_grads_close, assert_logps_close, grads_of, weighted_
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from trl_tree import tree_backward, tree_logprobs  # noqa: E402
-from trl_tree.reference import untreed_backward, untreed_logprobs  # noqa: E402
-from trl_tree.tiny import random_tree, tiny_model  # noqa: E402
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs  # noqa: E402
+from trl_tree.data.tiny import random_tree, tiny_model  # noqa: E402
 
 VOCAB = 96
 FORESTS = {
@@ -124,7 +124,7 @@ def test_sft_and_dpo_updates_match_stock(tmp_path):
 
 def test_compiled_layers():
     """``tree_compile_layers``: the convolution's projections compile, its tree gathers stay eager."""
-    from trl_tree.compile import compile_layers
+    from trl_tree.engine.compile import compile_layers
 
     model = tiny_model("lfm2")
     assert compile_layers(model, backend="aot_eager") > 0

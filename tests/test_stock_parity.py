@@ -118,7 +118,7 @@ def test_group_shuffle_is_an_opt_in_that_says_what_it_changes(checkpoint, caplog
     overrides = dict(loss_type="bnpo", steps_per_generation=2, gradient_accumulation_steps=1, dtype=torch.float64)
     ref, _, _ = run(GRPOTrainer, GRPOConfig, checkpoint, **overrides)
     with pytest.warns(UserWarning, match=r"tree_shuffle='groups'.*changes stock TRL's update.*bnpo"), \
-            caplog.at_level("WARNING", logger="trl_tree.trainers.mixin"):
+            caplog.at_level("WARNING", logger="trl_tree.trainers.online.mixin"):
         updates, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, tree_shuffle="groups", **overrides)
     assert any("tree_shuffle='groups' gives micro-batches of T/U" in r.getMessage() for r in caplog.records)
     diff = torch.sqrt(sum(((updates[n] - u) ** 2).sum() for n, u in ref.items()))
@@ -208,7 +208,7 @@ def test_absolute_positions_warn_and_keep_true_positions(tmp_path):
 def _save_gpt2(path) -> str:
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from trl_tree.tiny import tiny_tokenizer
+    from trl_tree.data.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
     torch.manual_seed(0)

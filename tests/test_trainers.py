@@ -21,8 +21,8 @@ from trainer_harness import PROMPTS, multi_turn_rollout, reward_a, run, save_tin
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from trl_tree import TreeGRPOConfig, TreeGRPOTrainer, TreeRLOOConfig, TreeRLOOTrainer  # noqa: E402
-from trl_tree.trainers.grouping import plan_micro_batches, prompt_groups, split_into_calls  # noqa: E402
-from trl_tree.trainers.rows import PaddedRows  # noqa: E402
+from trl_tree.distributed.grouping import plan_micro_batches, prompt_groups, split_into_calls  # noqa: E402
+from trl_tree.engine.rows import PaddedRows  # noqa: E402
 
 KINDS = {
     "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),
@@ -260,7 +260,7 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
     (``aot_eager`` on CPU) and the update is still TRL's (float64)."""
     import torch._dynamo
 
-    from trl_tree import compile as tree_compile
+    from trl_tree.engine import compile as tree_compile
 
     monkeypatch.setattr(tree_compile, "BACKEND", "aot_eager")
     torch._dynamo.reset()
@@ -292,10 +292,10 @@ def test_grpo_with_compiled_layers_matches_trl(checkpoint, monkeypatch):
                          ids=["exact", "buckets", "dfs", "dfs-buckets"])
 def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, buckets):
     """``tree_cuda_graphs=True``: with num_iterations = 2 every micro-batch's layout comes back, so its
-    second pass replays the captured graphs (the CPU stand-in of ``trl_tree.graphs``; in dfs mode the
-    walk's units, ``trl_tree.dfs.graphs``); the update is still TRL's (float64), gradient
+    second pass replays the captured graphs (the CPU stand-in of ``trl_tree.engine.graphs``; in dfs mode the
+    walk's units, ``trl_tree.engine.dfs.graphs``); the update is still TRL's (float64), gradient
     accumulation included."""
-    from trl_tree import graphs
+    from trl_tree.engine import graphs
 
     monkeypatch.setattr(graphs, "CPU_STAND_IN", graphs.EagerReplay)
     if buckets:  # only the padded graphs are captured: the update runs through them, as with free lengths
@@ -305,7 +305,7 @@ def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, bucket
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert graphs._RUNNERS[model].captures > 0
     if mode == "dfs" and buckets:
-        from trl_tree.dfs.graphs import unit_graph_stats
+        from trl_tree.engine.dfs.graphs import unit_graph_stats
 
         stats = unit_graph_stats(model)
         assert stats["padded"] > 0 and stats["replayed"] > 0
@@ -324,8 +324,8 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     DeepSpeed they are refused at construction, with the field to change."""
     from types import SimpleNamespace
 
-    from trl_tree.tiny import tiny_model
-    from trl_tree.trainers.mixin import TreeTrainerMixin
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.trainers.online.mixin import TreeTrainerMixin
 
     def check(fsdp2=False, zero=2, **fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
@@ -353,7 +353,7 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
     if wrapper == "DEEPSPEED":  # ZeRO-3's partitioned LM head cannot be scored from its weight
         with pytest.raises(ValueError, match="ZeRO-3 .* FSDP2"):
             check(zero=3)
-    if wrapper == "FSDP":  # FSDP2: the engine's backward runs inside trl_tree.fsdp.gathered
+    if wrapper == "FSDP":  # FSDP2: the engine's backward runs inside trl_tree.distributed.fsdp.gathered
         for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}, {"tree_window": "accumulation"}):
             assert check(fsdp2=True, **fields)._windows_on() == (fields.get("tree_window") != "micro_step")
         with pytest.raises(ValueError, match="tree_cuda_graphs .* not FSDP"):

@@ -8,8 +8,8 @@ import torch
 from conftest import assert_grads_close, grads_of
 
 from trl_tree import PrefixForest
-from trl_tree.reference import untreed_backward
-from trl_tree.tiny import grpo_group, random_tree, tiny_model
+from trl_tree.engine.reference import untreed_backward
+from trl_tree.data.tiny import grpo_group, random_tree, tiny_model
 
 pytest.importorskip("trl.experimental.async_grpo.packing")
 

@@ -1,4 +1,4 @@
-"""TRL async GRPO's packed trie row read back as sequences (``trainers/trie_rows.py``): the tree's
+"""TRL async GRPO's packed trie row read back as sequences (``trainers/asynchronous/trie_rows.py``): the tree's
 log-probs put in stock's packed layout are each sample's own, term by term (fp32, CPU)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ pytest.importorskip("trl.experimental.async_grpo")
 from trl.experimental.async_grpo.packing import TreeRow
 
 from trl_tree import tree_logprobs
-from trl_tree.reference import untreed_logprobs
-from trl_tree.trainers.sft_rows import SFTRows
-from trl_tree.trainers.trie_rows import TrieRow
+from trl_tree.engine.reference import untreed_logprobs
+from trl_tree.trainers.offline.sft_rows import SFTRows
+from trl_tree.trainers.asynchronous.trie_rows import TrieRow
 
 
 def forking_samples(seed: int = 0) -> list[dict]:

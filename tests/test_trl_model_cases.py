@@ -3,7 +3,7 @@
 TRL's SFT, DPO and GRPO test files train tiny Hub checkpoints of Qwen3-MoE, GPT-OSS, Nemotron-H
 and LFM2 (and we add Qwen3-Next, Falcon-H1 and Jamba) with the trainer's defaults and assert that a loss is logged,
 that MoE models log their load-balancing loss, and that every parameter moved. Here the same
-families are built offline (``trl_tree.tiny``), trained by the tree trainers with TRL's defaults
+families are built offline (``trl_tree.data.tiny``), trained by the tree trainers with TRL's defaults
 (gradient checkpointing on, ``tree_mode`` auto), and held to the same assertions. That the tree's
 update equals stock's is the business of the per-trainer parity suites; this file checks that a
 user who swaps the import meets no refusal and no dead parameter on these models.

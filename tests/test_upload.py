@@ -1,4 +1,4 @@
-"""Index uploads (``trl_tree._device``): one copy per call, through pinned buffers reused only once
+"""Index uploads (``trl_tree.engine._device``): one copy per call, through pinned buffers reused only once
 the copy that last read them has finished."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_tree._device import STAGING_MIN_BYTES, StagingPool, upload
+from trl_tree.engine._device import STAGING_MIN_BYTES, StagingPool, upload
 
 CPU = torch.device("cpu")
 

@@ -17,10 +17,10 @@ from trainer_harness import PROMPTS, reward_a, save_tiny_checkpoint
 from trl import SFTConfig, SFTTrainer
 
 from trl_tree import TreeDPOConfig, TreeDPOTrainer, TreeSFTConfig, TreeSFTTrainer
-from trl_tree.data_files import DataError, load_local_dataset, read_rows
-from trl_tree.tiny import TINY_CHARS, tiny_tokenizer
-from trl_tree.toy import chat_tokenizer, toy_conversations, toy_preferences
-from trl_tree.trainers.data_checks import warn_dropped_content
+from trl_tree.data.data_files import DataError, load_local_dataset, read_rows
+from trl_tree.data.tiny import TINY_CHARS, tiny_tokenizer
+from trl_tree.data.toy import chat_tokenizer, toy_conversations, toy_preferences
+from trl_tree.trainers.offline.data_checks import warn_dropped_content
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_files_name_the_bad_line_and_an_empty_file(tmp_path):
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_a_dataset_with_nothing_to_train_is_one_clear_error(checkpoint, trainer):
-    from trl_tree.sft_data import expand_turns
+    from trl_tree.data.sft_data import expand_turns
 
     no_assistant = [{"messages": [m for m in c["messages"] if m["role"] != "assistant"]} for c in toy_conversations(4)]
     samples = [s for row in no_assistant for s in expand_turns(row)]
@@ -164,7 +164,7 @@ def _construct(trainer: str, checkpoint: str, rl_checkpoint: str, peft_config, m
         TreeRLOOConfig,
         TreeRLOOTrainer,
     )
-    from trl_tree.trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+    from trl_tree.trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
     common = dict(output_dir="/tmp/prompt_learning", report_to="none", use_cpu=True, bf16=False, tree_mode=mode)
     if trainer in ("sft", "dpo"):
@@ -199,7 +199,7 @@ def test_prompt_learning_takes_stocks_path_with_tree_mode_off(checkpoint, rl_che
 
 
 def test_expanding_conversations_names_the_row_and_refuses_nothing_to_train():
-    from trl_tree.sft_data import expand_turns_dataset
+    from trl_tree.data.sft_data import expand_turns_dataset
 
     rows = toy_conversations(6)
     assert len(expand_turns_dataset(Dataset.from_list(rows))) == 6 * 4
@@ -217,7 +217,7 @@ def test_fa4_compiles_are_counted_and_taken(monkeypatch):
     JIT caches) and handed to the step's log once; its disk cache is turned on unless a user said no."""
     import types
 
-    from trl_tree.attention import fa4
+    from trl_tree.engine.attention import fa4
 
     calls = []
 
@@ -243,7 +243,7 @@ def test_fa4_compiles_are_counted_and_taken(monkeypatch):
 def test_fa4_disk_cache_is_on_unless_the_user_said_no(monkeypatch):
     import importlib
 
-    from trl_tree.attention import fa4
+    from trl_tree.engine.attention import fa4
 
     def absent(name):
         raise ImportError(name)
@@ -261,7 +261,7 @@ def test_the_construction_line_quoted_in_the_sft_docs_is_what_the_trainer_prints
     import inspect
     import re
 
-    from trl_tree.trainers import sft_sampler
+    from trl_tree.trainers.offline import sft_sampler
 
     source = inspect.getsource(sft_sampler.announce_grouping)
     template = re.search(r'"(%s: T/U %\.2f in TRL\'s order[^"]*)"\s*"([^"]*)"', source)

@@ -10,8 +10,8 @@ from conftest import assert_grads_close, assert_logps_close, grads_of
 from transformers import AutoModelForTokenClassification
 
 from trl_tree import tree_backward, tree_logprobs, tree_value_backward, tree_values
-from trl_tree.reference import untreed_logprobs
-from trl_tree.tiny import random_tree, tiny_config, tiny_model
+from trl_tree.engine.reference import untreed_logprobs
+from trl_tree.data.tiny import random_tree, tiny_config, tiny_model
 
 SEQS = [s for s in random_tree(10, 96, max_len=20, seed=1) if len(s) >= 3]
 SCORE_FROM = [1 + i % 2 for i in range(len(SEQS))]

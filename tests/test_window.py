@@ -1,4 +1,4 @@
-"""Accumulation windows (``trl_tree.trainers.window``): the plan every rank computes alike, the cost of
+"""Accumulation windows (``trl_tree.distributed.window``): the plan every rank computes alike, the cost of
 a group from its lengths, the window-by-window micro-batch plan, and the construction checks on
 batch sizes. The exchange between real processes and the update it gives are in
 tests/test_distributed.py."""
@@ -16,12 +16,12 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trainer_harness import run, save_tiny_checkpoint
 
 from trl_tree import PrefixForest, TreeGRPOConfig, TreeGRPOTrainer
-from trl_tree.cost_model import StepCost
-from trl_tree.tiny import tiny_config
-from trl_tree.trainers.exchange import RankExchange
-from trl_tree.trainers.grouping import plan_windows
-from trl_tree.trainers.rows import PaddedRows
-from trl_tree.trainers.window import TreeWindow, group_step_cost
+from trl_tree.engine.cost_model import StepCost
+from trl_tree.data.tiny import tiny_config
+from trl_tree.distributed.exchange import RankExchange
+from trl_tree.distributed.grouping import plan_windows
+from trl_tree.engine.rows import PaddedRows
+from trl_tree.distributed.window import TreeWindow, group_step_cost
 
 CONFIG = tiny_config("qwen2")
 

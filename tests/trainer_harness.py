@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
-from trl_tree.tiny import tiny_model, tiny_tokenizer
+from trl_tree.data.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [("count the a letters in " + "banana " * (1 + i % 3) + str(i)) for i in range(32)]
 

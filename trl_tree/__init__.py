@@ -12,15 +12,16 @@ import importlib
 
 #: public name -> the module that defines it
 _LAZY = {
-    "compile_layers": ".compile", "uncompile_layers": ".compile",
-    "TreeOptions": ".options",
-    "tree_backward": ".engine", "tree_logprobs": ".engine", "tree_value_backward": ".engine", "tree_values": ".engine",
-    "PrefixForest": ".forest",
+    "compile_layers": ".engine.compile", "uncompile_layers": ".engine.compile",
+    "TreeOptions": ".engine.options",
+    "tree_backward": ".engine.api", "tree_logprobs": ".engine.api", "tree_value_backward": ".engine.api",
+    "tree_values": ".engine.api",
+    "PrefixForest": ".engine.forest",
     **{name: ".trainers" for name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreePPOConfig", "TreePPOTrainer",
                                       "TreeRLOOConfig", "TreeRLOOTrainer", "TreeSFTConfig", "TreeSFTTrainer",
                                       "TreeDPOConfig", "TreeDPOTrainer")},
     # TRL's experimental async GRPO: imported only when asked for
-    **{name: ".trainers.async_grpo" for name in ("TreeAsyncGRPOConfig", "TreeAsyncGRPOTrainer")},
+    **{name: ".trainers.asynchronous.async_grpo" for name in ("TreeAsyncGRPOConfig", "TreeAsyncGRPOTrainer")},
 }
 
 

@@ -1,5 +1,5 @@
 """``python -m trl_tree`` runs the demo on the embedded tiny model."""
 
-from .demo import main
+from .tools.demo import main
 
 raise SystemExit(main(prog="python -m trl_tree"))

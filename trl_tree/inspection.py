@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data_files import DataError
-from .data_files import read_rows as load_rows  # noqa: F401  (the CLI's name for it)
+from .data.data_files import DataError
+from .data.data_files import read_rows as load_rows  # noqa: F401  (the CLI's name for it)
 
 #: column sets understood, in the order they are tried
 COLUMN_SETS = (
@@ -50,7 +50,7 @@ def load_tokenizer(path: str | None):
     if path is None:
         return None
     if path == TINY_TOKENIZER:
-        from .toy import chat_tokenizer
+        from .data.toy import chat_tokenizer
 
         return chat_tokenizer()
     from transformers import AutoTokenizer
@@ -170,7 +170,7 @@ def inspect_sft(seqs: list[list[int]], score_from: list[int], config, model_name
     with the prefix-grouped sampler (``tree_shuffle='groups'``), and the grouped micro-batches' T/U.
     ``pairs``: DPO's preference pairs (``pairs_from_rows``: each sample's chosen then rejected
     sequence), ordered as ``TreeDPOTrainer``'s sampler orders them, by prompt + chosen."""
-    from .trainers.sft_sampler import PrefixGroupedSampler
+    from .trainers.offline.sft_sampler import PrefixGroupedSampler
 
     width = 2 if pairs else 1
     lead = [np.asarray(s) for s in seqs[::width]]  # what the sampler orders by
@@ -245,8 +245,8 @@ def _length_bins(lengths: Sequence[int]) -> dict[str, int]:
 def inspect(seqs: list[list[int]], score_from: list[int], config, model_name: str = "model",
             rows_per_forest: int | None = None, progress: bool = False) -> tuple[Report, list]:
     """The report, and the forests (for a picture)."""
-    from .cost_model import ActivationModel, StepCost, estimate_bytes, step_flops
-    from .forest import PrefixForest
+    from .engine.cost_model import ActivationModel, StepCost, estimate_bytes, step_flops
+    from .engine.forest import PrefixForest
 
     if rows_per_forest is not None and rows_per_forest < 1:
         raise InspectError(f"rows_per_forest must be at least 1, got {rows_per_forest}")

@@ -106,7 +106,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo import async_grpo_trainer
 
-    from ..trainers.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+    from ..trainers.asynchronous.async_grpo import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
     mode, _, backend = mode.partition("@")  # tree@torch_flash: tree_attn_backend
     base, *suffixes = mode.split("+")
@@ -167,7 +167,7 @@ def run_mode(mode: str, stream, config, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..tiny import shaped_config
+    from ..data.tiny import shaped_config
     from .workloads import async_streams
 
     parser = offline_bench_parser("async", MODES, __doc__, modes_help=" (default per stream; the long stream: "

@@ -22,13 +22,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from .. import TreeOptions, tree_backward, tree_logprobs
-from ..attention import partial
-from ..attention.backends import BACKENDS, DFS_BACKENDS, backend_available
-from ..attention.partial import PARTIAL_KERNELS
-from ..attention.support import attention_refusal
-from ..layout import layout_choices
-from ..reference import untreed_backward, untreed_logprobs
-from ..tiny import grpo_group, random_tree, tiny_config
+from ..engine.attention import partial
+from ..engine.attention.backends import BACKENDS, DFS_BACKENDS, backend_available
+from ..engine.attention.partial import PARTIAL_KERNELS
+from ..engine.attention.support import attention_refusal
+from ..engine.layout import layout_choices
+from ..engine.reference import untreed_backward, untreed_logprobs
+from ..data.tiny import grpo_group, random_tree, tiny_config
 from .common import add_kernels_arg, apply_kernels, dump, environment
 
 RULE = 1.5
@@ -74,7 +74,7 @@ def _run(model, seqs, backend, mode="packed", root_split=None, checkpointed: str
         mode, kw, train_kw = "dfs", {"memory_budget": _walk_budget(model, seqs)}, {"keep_graph": False}
     with layout_choices(root_split=root_split):
         if graphs:  # eager at the first call, captured at the second, checked on a replay
-            from .. import graphs as graph_module
+            from ..engine import graphs as graph_module
 
             # "buckets": the layout padded to buckets (attention/buckets.py), as free-length rollouts replay
             saved, graph_module.EXACT_LAYOUTS = graph_module.EXACT_LAYOUTS, graphs != "buckets"
@@ -103,7 +103,7 @@ def _walk_budget(model, seqs) -> int:
     """Twice one checkpointed forward+backward of the longest sequence: on the check's workloads the
     walk then pushes its prompts, merges pops with a group, and some units keep their attention
     outputs for the recompute while larger ones do not (``GroupBudget.keeps_attention``)."""
-    from ..cost_model import ActivationModel
+    from ..engine.cost_model import ActivationModel
 
     longest = max(len(s) for s in seqs)
     return 2 * ActivationModel.of(model.config, True, model.dtype.itemsize).single_sequence(longest)
@@ -113,7 +113,7 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
     """(backend, mode, root split, checkpointed, graphs, label): every backend packed and dfs; the
     packed FlashAttention path whole and split at the roots (``attention/root_split.py``), split under
     gradient checkpointing, where the recompute takes the kept attention outputs (``attention/kept.py``),
-    and those three again replaying CUDA graphs (``trl_tree.graphs``; with both checkpoint kinds),
+    and those three again replaying CUDA graphs (``trl_tree.engine.graphs``; with both checkpoint kinds),
     replaying the graphs of the layout padded to buckets (``attention/buckets.py``), and the walk
     replaying its units' graphs (``dfs/graphs.py``), exact and padded to buckets (``dfs/buckets.py``),
     and the walk sized by the memory model (merged pops, kept attention outputs)."""
@@ -130,8 +130,8 @@ def _paths() -> list[tuple[str, str, bool | None, str | bool, bool, str]]:
         else:
             paths.append((b, "packed", None, False, False, f"packed/{b}"))
     paths += [(b, "dfs", None, False, False, f"dfs/{b}") for b in DFS_BACKENDS]
-    # the walk's units replayed (trl_tree/dfs/graphs.py), plain and under checkpointing, and padded to
-    # buckets (trl_tree/dfs/buckets.py), as free-length rollouts replay them
+    # the walk's units replayed (trl_tree/engine/dfs/graphs.py), plain and under checkpointing, and padded to
+    # buckets (trl_tree/engine/dfs/buckets.py), as free-length rollouts replay them
     paths += [(b, "dfs", None, ckpt, True, f"dfs/{b}{'+ckpt' if ckpt else ''}+graphs")
               for b in DFS_BACKENDS for ckpt in (False, True)]
     paths += [(b, "dfs", None, True, "buckets", f"dfs/{b}+ckpt+graphs+buckets") for b in DFS_BACKENDS]

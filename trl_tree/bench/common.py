@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from ..cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
-from ..tiny import SHAPED_FAMILIES
+from ..engine.cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
+from ..data.tiny import SHAPED_FAMILIES
 
 
 def drop_graphs(model: torch.nn.Module) -> None:
     """Forget ``model``'s captured CUDA graphs (packed calls and walk units): their memory pool and
     the walk's kept K/V stack are freed, so the next graphed path's memory is its own."""
-    from .. import graphs
-    from ..dfs import graphs as dfs_graphs
+    from ..engine import graphs
+    from ..engine.dfs import graphs as dfs_graphs
 
     graphs._RUNNERS.pop(model, None)
     dfs_graphs._WALK_GRAPHS.pop(model, None)
@@ -134,7 +134,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
     if kernels == "hf":
         return
     if kernels == "compiled":
-        from ..compile import compile_layers
+        from ..engine.compile import compile_layers
 
         compile_layers(model)
         return
@@ -156,7 +156,7 @@ def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from ..tiny import shaped_config
+    from ..data.tiny import shaped_config
 
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -192,7 +192,7 @@ def padded_step(model, seqs, weights: torch.Tensor, score_from: int, n_terms: in
     """TRL's per-sequence step on ``seqs``: the right-padded batch through the model's attention,
     TRL's fused LM head on the tokens from ``score_from`` on, loss ``-Σ w_i·logp / n_terms``,
     backward (gradients accumulate; the caller zeroes them if it wants to)."""
-    from ..reference import right_pad
+    from ..engine.reference import right_pad
 
     ids, mask = right_pad(seqs, "cuda")
     labels = ids.masked_fill(mask == 0, -100)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from ..compile import compile_layers, uncompile_layers
+from ..engine.compile import compile_layers, uncompile_layers
 from .common import bench_model, environment, parameter_grads, relative_difference, step_paths, time_cuda
 from .profile import gpu_busy
 from .workloads import suite_workloads

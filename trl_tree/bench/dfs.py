@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, TreeOptions, tree_backward
-from ..cost_model import GroupBudget
-from ..dfs.plan import plan_walk
-from ..tiny import grpo_group
+from ..engine.cost_model import GroupBudget
+from ..engine.dfs.plan import plan_walk
+from ..data.tiny import grpo_group
 from .common import add_kernels_arg, bench_model, dump, environment, padded_step, time_cuda
 
 
@@ -64,7 +64,7 @@ def largest_trees(config, memory_gib: float, scales=None) -> list[dict]:
     of the longest path, plus the K/V stack with gradient slots for the pushed path), and whether each
     fits ``memory_gib`` less ``TRAINING_BYTES_PER_PARAMETER`` per parameter. The largest fitting
     ``f`` per mode is the largest tree it trains; the suite's measured peaks on W6/W7 check the model."""
-    from ..cost_model import ActivationModel
+    from ..engine.cost_model import ActivationModel
     from .workloads import SCALE_SYSTEM, SCALE_TURNS
 
     params = _parameters(config)
@@ -89,7 +89,7 @@ def largest_trees(config, memory_gib: float, scales=None) -> list[dict]:
 
 def _parameters(config) -> int:
     """Parameter count of a Qwen2-shaped decoder (embeddings and LM head untied when the config says so)."""
-    from ..cost_model import layer_weights
+    from ..engine.cost_model import layer_weights
 
     h = config.hidden_size
     embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
     if args.largest is not None:
-        from ..tiny import shaped_config
+        from ..data.tiny import shaped_config
 
         rows = largest_trees(shaped_config(args.size), args.largest)
         dump(args.out, {"size": args.size, "memory_gib": args.largest, "rows": rows})

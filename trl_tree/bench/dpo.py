@@ -41,8 +41,8 @@ DATASET_MODES = ("tree", "tree+groups", "stock")
 
 def flop_limit(rows: list[dict], config) -> tuple[float, int, int]:
     """``(limit, T, U)``: stock's FLOPs over the tree's for the policy step plus the reference forward."""
-    from ..cost_model import StepCost, step_flops
-    from ..forest import PrefixForest
+    from ..engine.cost_model import StepCost, step_flops
+    from ..engine.forest import PrefixForest
 
     seqs = [r["prompt_ids"] + r[k] for k in ("chosen_ids", "rejected_ids") for r in rows]
     first = [len(r["prompt_ids"]) for _ in ("chosen_ids", "rejected_ids") for r in rows]
@@ -107,7 +107,7 @@ def _check_tokenised(dataset, rows: list[dict], eos: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..tiny import shaped_config
+    from ..data.tiny import shaped_config
     from .workloads import dpo_shapes
 
     parser = offline_bench_parser("dpo", MODES, __doc__, modes_help=f" (default; a dataset shape: {DATASET_MODES})")

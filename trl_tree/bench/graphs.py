@@ -4,7 +4,7 @@
                                     [--dense-heads] [--profile FILE]
 
 For each workload: TRL's padded step (eager, the suite's baseline), the packed tree step eagerly and
-the same step replaying the graphs ``trl_tree.graphs`` captures at its second call — median ms (CUDA
+the same step replaying the graphs ``trl_tree.engine.graphs`` captures at its second call — median ms (CUDA
 events), speed-up over TRL and its fraction of the FLOP limit (DESIGN, "Measuring speed"), GPU-busy
 milliseconds and kernel launches (profiler), activation peak, the capturing call's seconds, the
 memory the graphs hold (the pool's new segments at capture; the gradient buffers, which serve as the
@@ -55,7 +55,7 @@ def compare_dense_heads(model, step, eager_grads, trl_ms: float, limit: float, r
     128 only (i.e. FA2 varlen at 64, as eager calls run), alternated ``rounds`` times (host drift
     cancels): median ms, speed-up and fraction of the limit, GPU ms by kind, gradient difference
     from the eager step's. The choice is in the layout signature, so each variant has its graphs."""
-    from ..attention import partial
+    from ..engine.attention import partial
 
     reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
     chosen = partial.CUDNN_GRAPHED_MIN_HEAD_DIM
@@ -118,7 +118,7 @@ def run_workload(model, w, iters: int, dense_heads: bool = False, tables=None) -
             r = {"ms": round(ms, 2), "second_call_s": round(second, 2), "activation_peak_gib": round(act, 3),
                  "gpu_busy_ms": round(busy, 1), "kernels": kernels}
             if name == "packed_graphs":
-                from ..graphs import _RUNNERS
+                from ..engine.graphs import _RUNNERS
 
                 r["graph_pool_reserved_gib"] = round(pool_gib, 3)
                 r["grad_buffers_gib"] = round(sum(b.nbytes for b in _RUNNERS[model].grad_buffers) / 2**30, 3)

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, TreeOptions, tree_backward
-from ..attention.backends import backend_available
-from ..layout import layout_choices
-from ..tiny import grpo_group
+from ..engine.attention.backends import backend_available
+from ..engine.layout import layout_choices
+from ..data.tiny import grpo_group
 from .common import (
     StepCost,
     add_grpo_shape_args,

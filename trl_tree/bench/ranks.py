@@ -20,9 +20,9 @@ import argparse
 
 import numpy as np
 
-from ..forest import PrefixForest
-from ..tiny import shaped_config
-from ..trainers.balance import METHODS, balance, imbalance, tree_cost
+from ..engine.forest import PrefixForest
+from ..data.tiny import shaped_config
+from ..distributed.balance import METHODS, balance, imbalance, tree_cost
 from .common import dump
 
 SHAPES = {"W1": (2048, 512, 16), "W2": (1024, 1024, 8), "W3": (256, 1024, 8)}

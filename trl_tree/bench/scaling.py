@@ -45,18 +45,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost_model import layer_weights, step_flops
-from ..model_parts import head_dim_of, kv_heads_of
-from ..tiny import shaped_config
-from ..trainers.balance import balance
-from ..trainers.window import group_step_cost
+from ..engine.cost_model import layer_weights, step_flops
+from ..engine.model_parts import head_dim_of, kv_heads_of
+from ..data.tiny import shaped_config
+from ..distributed.balance import balance
+from ..distributed.window import group_step_cost
 from .common import dump
 
 #: GRPO W1 on one 4 x H200 host, 1.5B (docs/benchmarks/multi_gpu_4x_h200.json): ms per optimizer step
 #: at 64 rows on 1, 2 and 4 GPUs (stock TRL, trees per window), and the tree on one GPU at 16 rows
 MEASURED_64_ROWS = {1: (7908.1, 1251.7), 2: (4338.4, 695.8), 4: (2230.0, 402.3)}
 MEASURED_TREE_16_ROWS = 330.1
-#: collectives a window issues per optimizer step in trainers/window.py's one-pass path: the token
+#: collectives a window issues per optimizer step in distributed/window.py's one-pass path: the token
 #: ids (an object all-gather: sizes, then data), the loss constants out, the log-probs home
 WINDOW_COLLECTIVES = 4
 BACKWARD_SHARE = 0.75  # of a step's compute under gradient checkpointing: recompute and 2x backward of 4

@@ -104,7 +104,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from ..inspection import inspect
-    from ..tiny import shaped_config
+    from ..data.tiny import shaped_config
     from .workloads import sft_shapes
 
     parser = offline_bench_parser("sft", MODES, __doc__, "; tree@BACKEND sets tree_attn_backend")

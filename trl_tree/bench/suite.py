@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from .. import PrefixForest, TreeOptions, tree_backward
-from .. import packed as packed_pass
-from ..attention.backends import resolve_backend
-from ..attention.metadata import use_root_split
-from ..attention.root_split import RootSplitLayout
-from ..layout import layout_choices
-from ..model_parts import model_parts
+from ..engine import packed as packed_pass
+from ..engine.attention.backends import resolve_backend
+from ..engine.attention.metadata import use_root_split
+from ..engine.attention.root_split import RootSplitLayout
+from ..engine.layout import layout_choices
+from ..engine.model_parts import model_parts
 from .common import (
     StepCost,
     add_kernels_arg,
@@ -113,14 +113,14 @@ def run_workload(model, w, iters: int, dfs: bool, profile_tables: list[str] | No
             paths["tree_packed_unsplit" if split else "tree_packed_split"] = tree(forest, root_split=not split)
         # what keeping the attention outputs for the recompute gains (and costs in memory)
         paths["tree_packed_recompute"] = tree(forest, keep_attention=False)
-        # the same packed step replaying CUDA graphs (trl_tree.graphs; captured in the warm-up)
+        # the same packed step replaying CUDA graphs (trl_tree.engine.graphs; captured in the warm-up)
         paths["tree_packed_graphs"] = tree(forest, cuda_graphs=True)
         if layout is not None and trie_packer_available():  # TRL's own tree packing, where anything is shared
             paths["trl_trie_packer"] = trie_packer_step(model, seqs, adv, P, n_terms)
     if dfs:
         longest = int(np.argmax(forest.seq_lengths))
         paths["tree_dfs"] = tree(forest, "dfs")
-        # the walk's units replaying CUDA graphs (trl_tree/dfs/graphs.py; captured in the warm-up)
+        # the walk's units replaying CUDA graphs (trl_tree/engine/dfs/graphs.py; captured in the warm-up)
         paths["tree_dfs_graphs"] = tree(forest, "dfs", cuda_graphs=True)
         if only is not None:  # asked for by name: what the walk's merged pops and kept attention gain
             paths["tree_dfs_graphs_unmerged"] = tree(forest, "dfs", cuda_graphs=True, merge_pops=False)

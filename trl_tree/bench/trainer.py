@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from ..dfs.graphs import unit_graph_stats
+from ..engine.dfs.graphs import unit_graph_stats
 from .common import (
     add_grpo_shape_args,
     add_kernels_arg,
@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from ..tiny import shaped_config
+    from ..data.tiny import shaped_config
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
-    from ..trainers.exchange import reduction_group
+    from ..distributed.exchange import reduction_group
 
     config = shaped_config(args.size, args.family)
     tok = bench_tokenizer(config.vocab_size)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..attention.partial import PARTIAL_KERNELS, math_partial_backward, math_partial_forward
+from ..engine.attention.partial import PARTIAL_KERNELS, math_partial_backward, math_partial_forward
 
 
 def _kernel_pair(q: torch.Tensor):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tiny import grpo_group
+from ..data.tiny import grpo_group
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
-from ..options import TreeOptions
+from ..engine.options import TreeOptions
 
 TREE_MODES = ("packed", "dfs", "off")
 #: the CPU default of ``_default_to_cpu`` was announced (once per process)
@@ -53,7 +53,7 @@ class TreeArguments:
             "rows, on the rank that holds them. 'accumulation': every row of one gradient-accumulation window (the "
             "micro-steps that share parameters) on all processes, cut into whole trees, each computed on one rank "
             "balanced by cost; per-token log-probs and loss gradients move between ranks, the backward runs once at "
-            "the window's last micro-step (trl_tree.trainers.window). 'auto': 'accumulation' where the cost model "
+            "the window's last micro-step (trl_tree.distributed.window). 'auto': 'accumulation' where the cost model "
             "says it costs the busiest rank less (it counts the extra forward of the two-pass backward)."
         },
     )
@@ -77,7 +77,7 @@ class TreeArguments:
         default=None,
         metadata={"help": "dfs mode: most tokens one step of the walk runs (long nodes are cut into chunks, small "
                   "sibling subtrees grouped up to it). None: whole nodes, and sibling subtrees grouped as far as a call "
-                  "stays within one forward+backward of the longest sequence (trl_tree.cost_model.GroupBudget)."},
+                  "stays within one forward+backward of the longest sequence (trl_tree.engine.cost_model.GroupBudget)."},
     )
     tree_memory_budget: int | None = field(
         default=None,
@@ -111,9 +111,9 @@ class TreeArguments:
     )
     tree_cuda_graphs: bool = field(
         default=False,
-        metadata={"help": "Replay CUDA graphs of the packed training forward and backward (trl_tree.graphs) for "
+        metadata={"help": "Replay CUDA graphs of the packed training forward and backward (trl_tree.engine.graphs) for "
                   "micro-batch layouts seen before (captured at the second sighting; the loss stays eager); in dfs "
-                  "mode, of every unit of the walk whose shape was seen before (trl_tree/dfs/graphs.py: one process, "
+                  "mode, of every unit of the walk whose shape was seen before (trl_tree/engine/dfs/graphs.py: one process, "
                   "tree_keep_graph not True). Pays "
                   "where the host is the bottleneck (small models; docs/benchmarks/README.md, CUDA graphs) and only "
                   "when layouts repeat (num_iterations > 1, fixed-length rollouts). Under DDP the call "
@@ -125,7 +125,7 @@ class TreeArguments:
         metadata={"help": "Several processes under DDP, where the tree's own backward (dfs, tree_token_budget, "
                   "accumulation windows, PPO's critic) averages the gradients by hand: start each bucket's "
                   "all-reduce as soon as the step's last backward has made its gradients final, as DDP's reducer "
-                  "does, instead of after the whole backward (trainers/grad_sync.py). The same update either way; "
+                  "does, instead of after the whole backward (distributed/grad_sync.py). The same update either way; "
                   "False is for comparing the two."},
     )
     tree_one_pass: bool = field(
@@ -135,15 +135,15 @@ class TreeArguments:
                   "the MoE auxiliary loss) or of per-sequence terms (RLOO's), the tree's own backward (dfs, "
                   "tree_token_budget, accumulation windows) computes each term's gradient as it scores the tokens: "
                   "one forward and one backward, instead of a forward first and then TRL's loss gradient walked "
-                  "back (trainers/separable_loss.py). The same update; False is for comparing the two. Logged as "
+                  "back (trainers/online/separable_loss.py). The same update; False is for comparing the two. Logged as "
                   "tree/passes."},
     )
     tree_cuda_graph_buckets: bool = field(
         default=False,
         metadata={"help": "With tree_cuda_graphs: micro-batch layouts that do not repeat (free-length completions) "
                   "replay the graphs of their layout padded to buckets (up to 12.5% more tokens, keys and "
-                  "predictions; trl_tree/attention/buckets.py); in dfs mode, the walk's units padded to buckets "
-                  "(trl_tree/dfs/buckets.py). Pays where the host is the bound (small models with "
+                  "predictions; trl_tree/engine/attention/buckets.py); in dfs mode, the walk's units padded to buckets "
+                  "(trl_tree/engine/dfs/buckets.py). Pays where the host is the bound (small models with "
                   "free-length completions); on larger models the padding costs more than it saves "
                   "(docs/benchmarks/README.md, CUDA graphs)."},
     )
@@ -247,7 +247,7 @@ SFT_SHUFFLES = ("rows", "groups", "auto")
 class TreeSFTConfig(SFTConfig, TreeArguments):
     """``trl.SFTConfig`` plus the tree fields of :class:`TreeArguments`. In SFT the gain comes from
     which samples meet in a micro-batch, so ``tree_shuffle`` chooses the order of the samples:
-    'rows' (default) TRL's own, 'groups' the prefix-aware sampler (``trl_tree.trainers.sft_sampler``).
+    'rows' (default) TRL's own, 'groups' the prefix-aware sampler (``trl_tree.trainers.offline.sft_sampler``).
     ``tree_window`` does not apply (one micro-batch is one set of trees)."""
 
     tree_shuffle: str = field(
@@ -389,8 +389,8 @@ class TreePPOConfig(GRPOConfig, TreeArguments):
                 raise
 
     def _check_ppo_fields(self) -> None:
-        from .advantages import KL_ESTIMATORS
-        from .critic import CRITIC_KINDS
+        from .online.advantages import KL_ESTIMATORS
+        from .online.critic import CRITIC_KINDS
 
         if self.critic not in CRITIC_KINDS:
             raise ValueError(f"critic must be one of {CRITIC_KINDS}, got {self.critic!r}")

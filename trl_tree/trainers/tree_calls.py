@@ -22,19 +22,19 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from ..attention.support import attention_refusal
-from ..backward_hooks import before_last_backward
-from ..compile import compile_layers
-from ..engine import tree_backward, tree_logprobs
-from ..forest import PrefixForest
-from ..fsdp import gathered, reduce_gradients, root_unsharded
-from ..model_parts import active_dropout, model_parts, trainable_parameters
-from ..packed import takes_padded_path
-from .bridge import bridge
-from .exchange import reduction_group
-from .grad_sync import GradientAverager
-from .grouping import group_cost, split_into_calls
-from .rows import PaddedRows
+from ..engine.attention.support import attention_refusal
+from ..engine.backward_hooks import before_last_backward
+from ..engine.compile import compile_layers
+from ..engine.api import tree_backward, tree_logprobs
+from ..engine.forest import PrefixForest
+from ..distributed.fsdp import gathered, reduce_gradients, root_unsharded
+from ..engine.model_parts import active_dropout, model_parts, trainable_parameters
+from ..engine.packed import takes_padded_path
+from .online.bridge import bridge
+from ..distributed.exchange import reduction_group
+from ..distributed.grad_sync import GradientAverager
+from ..distributed.grouping import group_cost, split_into_calls
+from ..engine.rows import PaddedRows
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class TreeCallsMixin:
         return self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP")
 
     def _fsdp2(self) -> bool:
-        """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.fsdp``
+        """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.distributed.fsdp``
         (parameters gathered once per walk, one reduce per optimizer step)."""
         return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
 
@@ -191,8 +191,8 @@ class TreeCallsMixin:
         return None
 
     def _router(self):
-        """A collector of the MoE load-balancing loss over the tree (``trl_tree.router``)."""
-        from ..router import RouterAux
+        """A collector of the MoE load-balancing loss over the tree (``trl_tree.engine.router``)."""
+        from ..engine.router import RouterAux
 
         config = self.model.config.get_text_config()
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
@@ -310,7 +310,7 @@ class TreeCallsMixin:
         ``(logps, entropies, head outputs, forests, aux)`` on the rows' grid. ``logps`` carries the
         gradient where ``differentiable``: one autograd graph (packed, one call) or the bridge to the
         engine's own backward on the unwrapped model (dfs, or rows cut by ``tree_token_budget``).
-        ``aux_loss``: also the MoE load-balancing loss over the rows' tokens (``trl_tree.router``:
+        ``aux_loss``: also the MoE load-balancing loss over the rows' tokens (``trl_tree.engine.router``:
         each unique token's router logits weighted by the rows through it), differentiable the same
         way; else ``aux`` is None."""
         calls, forests = self._offline_layout(rows)
@@ -428,7 +428,7 @@ class TreeCallsMixin:
         """The by-hand average over the processes of ``model``'s trainable gradients (``params``: these
         instead, a PPO critic's), made once, in buckets of ``ddp_bucket_cap_mb`` (DDP's own setting,
         25 MiB by default); None on one process and under FSDP2 (whose reduction is
-        ``trl_tree.fsdp``'s)."""
+        ``trl_tree.distributed.fsdp``'s)."""
         if self.accelerator.num_processes == 1 or self._fsdp2():
             return None
         averagers = self.__dict__.setdefault("_tree_averagers", {})
@@ -470,7 +470,7 @@ class TreeCallsMixin:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
         (``grad_sync.GradientAverager``: the buckets the step's last backward did not already send,
         then the wait for all).
-        Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.fsdp.gathered``);
+        Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.distributed.fsdp.gathered``);
         their one reduction ran with the step's closing calls (``_walk_calls``), or runs in
         ``training_step`` (``_reduce_pending``), outside autograd's backward."""
         if self._fsdp2():
@@ -512,7 +512,7 @@ class TreeCallsMixin:
         """``tree/kernel_compile_time``: what FlashAttention-4 spent this step compiling kernels for
         variants it had not run yet (the first steps, a micro-batch of an unseen layout), logged
         wherever FA4 was loaded; a step that spent over a second says so in the log."""
-        from ..attention import fa4
+        from ..engine.attention import fa4
 
         if fa4._interface.cache_info().currsize == 0 or fa4._interface() is None:  # FA4 not in use
             return

@@ -1,0 +1,1 @@
+"""The command line: ``trl-tree`` (``cli.py``) and the demo behind ``python -m trl_tree`` (``demo.py``)."""
