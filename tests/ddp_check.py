@@ -142,11 +142,14 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS, rows: int = 6)
 
 
 def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | None, mode: str, window: str,
-                     tag: str = "", dtype: torch.dtype = torch.float64, rows: int = 6, **extra) -> str:
+                     tag: str = "", dtype: torch.dtype = torch.float64, rows: int = 6, lora: bool = False,
+                     save: bool = False, **extra) -> str:
     """One run of :func:`main_windows` (``extra``: more config fields, ``tag``: added to its name;
-    ``rows``: per micro-step, all processes together); returns the run's name. Saved: the full
-    parameters (gathered under FSDP2), the tree metrics, the distributed type and whether the
-    parameters were sharded."""
+    ``rows``: per micro-step, all processes together; ``lora``: a LoRA adapter on the policy, which
+    a critic adapter needs; ``save``: ``save_model`` to ``<output_dir>/final`` after training);
+    returns the run's name. Saved: the full parameters (gathered under
+    FSDP2), the critic's too, the tree metrics, the distributed type and whether the parameters
+    were sharded."""
     from transformers import PreTrainedTokenizerFast
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -167,15 +170,20 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
             args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
             cls = TreePPOTrainer
         torch.manual_seed(0)
+        adapter = {}
+        if lora:
+            from peft import LoraConfig
+
+            adapter = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
         trainer = cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=fixed_rollout,
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                      processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+                      processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint), **adapter)
+        start = _trained_state(trainer, algo)
         trainer.train()
+        if save:
+            trainer.save_model(os.path.join(common["output_dir"], "final"))
     assert trainer.accelerator.num_processes == processes
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in trainer.model.named_parameters() if p.requires_grad}
-    if algo == "ppo":
-        params.update({f"critic.{i}": p.detach().clone() for i, p in enumerate(trainer.critic.parameters())})
+    params = _trained_state(trainer, algo)
     metrics = {}
     for entry in trainer.state.log_history:  # this process's own logs
         for k, v in entry.items():
@@ -185,11 +193,23 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
     # TRL's metric gathers would queue behind them (distributed/exchange.reduction_group)
     groups = [a._all_reduce.keywords.get("group") for a in trainer.__dict__.get("_tree_averagers", {}).values()]
     own_group = [g is not None and g is not torch.distributed.group.WORLD for g in groups]
-    torch.save({"params": params, "metrics": metrics, "averagers_on_own_group": own_group,
+    torch.save({"params": params, "start": start, "metrics": metrics, "averagers_on_own_group": own_group,
                 "distributed_type": trainer.accelerator.distributed_type.value,
                 "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())},
                os.path.join(out_dir, f"win-{run}-p{processes}_rank{trainer.accelerator.process_index}.pt"))
     return run
+
+
+def _trained_state(trainer, algo: str) -> dict:
+    """Every trained parameter whole (gathered where FSDP2 shards it: every rank calls this), the
+    critic's as ``critic.{i}``."""
+    def whole(p):
+        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+    params = {n: whole(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if algo == "ppo":
+        params.update({f"critic.{i}": whole(p) for i, p in enumerate(trainer.critic.parameters())})
+    return params
 
 
 def main_sft(out_dir: str) -> None:

@@ -36,6 +36,26 @@ BF16_RUNS = (
     ("grpo", "packed", "accumulation", {"tree_token_budget": 64}, "budget"),
 )
 
+#: TreePPOTrainer under FSDP2, each critic kind: (critic, tree_mode, tree_window, extra config, tag); a
+#: critic adapter needs a LoRA policy. The untreed PPO step (tree_mode='off') runs too: its separate
+#: critic is sharded and reduced the same way
+PPO_RUNS = (
+    ("separate", "off", "auto", {}, ""),
+    ("separate", "packed", "micro_step", {}, ""),
+    ("separate", "dfs", "accumulation", {}, ""),
+    ("shared", "packed", "accumulation", {}, ""),
+    ("shared", "dfs", "micro_step", {}, ""),
+    ("adapter", "packed", "micro_step", {"lora": True}, ""),
+    ("adapter", "dfs", "accumulation", {"lora": True}, ""),
+)
+#: under Accelerate's ``mixed_precision: bf16``, one optimizer step: the untreed step (the bf16 rule's
+#: baseline) and the tree's, both against one process's fp32 step (fp32 weights: the value head draws the
+#: same random init); the last also saves the trained critic (gathered whole from the shards)
+PPO_BF16_RUNS = (
+    ("separate", "off", "auto", {"max_steps": 1}, ""),
+    ("separate", "packed", "accumulation", {"max_steps": 1, "save": True}, ""),
+)
+
 
 def emulate_fsdp2_on_cpu() -> None:
     """Make ``AcceleratorState`` take the FSDP branch it takes on a GPU (see the module docstring)."""
@@ -63,6 +83,17 @@ def main(checkpoint: str, out_dir: str) -> None:
                                    **extra)
     for algo, mode, window, extra, tag in BF16_RUNS:
         ddp_check.train_window_run(checkpoint, out_dir, algo, None, mode, window,
+                                   tag=f"fsdp-bf16{'-' + tag if tag else ''}", dtype=torch.float32, bf16=True, **extra)
+
+
+def main_ppo(checkpoint: str, out_dir: str) -> None:
+    """TreePPOTrainer's runs (``PPO_RUNS``), float64, on the fixed rollouts of ``ddp_check``."""
+    emulate_fsdp2_on_cpu()
+    for critic, mode, window, extra, tag in PPO_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window,
+                                   tag=f"fsdp{'-' + tag if tag else ''}", **extra)
+    for critic, mode, window, extra, tag in PPO_BF16_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window,
                                    tag=f"fsdp-bf16{'-' + tag if tag else ''}", dtype=torch.float32, bf16=True, **extra)
 
 
@@ -132,8 +163,11 @@ def main_offline(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    main_offline(sys.argv[2])
+    if sys.argv[3:] == ["ppo"]:
+        main_ppo(sys.argv[1], sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])
+        main_offline(sys.argv[2])
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads can abort an orderly interpreter exit ("terminate called ..."); all is saved

@@ -58,23 +58,55 @@ def _apply(module, after_forward: bool, after_backward: bool, sync: bool) -> Non
     module.set_requires_gradient_sync(sync, recurse=False)
 
 
+#: ids of the models inside :func:`gathered` now: a nested ``gathered`` of the same model is a no-op (its
+#: exit would reshard what the outer block still computes with, and a backward there would find freed storage)
+_GATHERED: set[int] = set()
+
+
 @contextmanager
 def gathered(model: torch.nn.Module):
     """Every FSDP2 module of ``model`` unsharded once, kept so, gradients accumulated unreduced;
-    yields whether there was any. Settings restored and parameters resharded after."""
+    yields whether there was any. Settings restored and parameters resharded after. Re-entrant: inside
+    a ``gathered`` of the same model it changes nothing."""
+    if id(model) in _GATHERED:
+        yield bool(fsdp_modules(model))
+        return
     modules = fsdp_modules(model)
+    if not modules:
+        yield False
+        return
+    _GATHERED.add(id(model))
+    try:
+        with _gathered(modules):
+            yield True
+    finally:
+        _GATHERED.discard(id(model))
+
+
+def _unsharded(module) -> bool:
+    """Whether an FSDP module's parameters are unsharded now (kept so by :func:`root_unsharded` for a
+    backward still to come, say)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group is not None and bool(getattr(group, "is_unsharded", False))
+
+
+@contextmanager
+def _gathered(modules: list[torch.nn.Module]):
+    """What was unsharded before stays unsharded after: a pending backward may still read it."""
     saved = [_settings(m) for m in modules]
+    already = [_unsharded(m) for m in modules]
     for m in modules:
         _apply(m, False, False, False)
     for m in modules:
         m.unshard()
     try:
-        yield bool(modules)
+        yield
     finally:
         for m, settings in zip(modules, saved):
             _apply(m, *settings)
-        for m in modules:
-            m.reshard()
+        for m, keep in zip(modules, already):
+            if not keep:
+                m.reshard()
 
 
 @profiled("trl_tree.fsdp.reduce")
@@ -117,3 +149,48 @@ def root_unsharded(model: torch.nn.Module, reshard_after: bool):
         _apply(root, *saved)
         if reshard_after:
             root.reshard()
+
+
+def shard_as_accelerate(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` sharded the way ``accelerator.prepare`` shards the policy under FSDP2 (its plugin's
+    wrap policy, mixed precision, fp32 upcast of trainable low-precision weights), for a model that
+    trains beside the policy without being handed to ``prepare`` (a PPO value model: one
+    ``prepare`` takes one model with its optimizer). Then one forward of one token, without a
+    graph, so that FSDP2 initialises the model's root as the root: the engine calls a value
+    model's backbone directly, and the first FSDP2 module to run a forward becomes a root."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    model = fsdp2_prepare_model(accelerator, model)
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=accelerator.device), use_cache=False)
+    resharded(model)
+    return model
+
+
+def resharded(model: torch.nn.Module) -> None:
+    """Every FSDP2 module of ``model`` sharded again. A module that keeps its parameters after a
+    forward (Accelerate: the root's) shows its unsharded parameters as its own until then, and an
+    optimizer built from ``model.parameters()`` must get the sharded ones (as the Trainer does for
+    the policy before it builds the optimizer)."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (a parameter FSDP2 shards), told apart without importing torch.distributed.tensor."""
+    return type(tensor).__name__ == "DTensor" or hasattr(tensor, "full_tensor")
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor gathered (a collective every rank must make), any other as it is."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a whole tensor into ``param``: into this rank's shard where ``param`` is a DTensor."""
+    with torch.no_grad():
+        if is_sharded(param):
+            from torch.distributed.tensor import distribute_tensor
+
+            full = distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements)
+        param.copy_(full.to(param.device, param.dtype))

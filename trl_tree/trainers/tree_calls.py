@@ -427,9 +427,10 @@ class TreeCallsMixin:
     def _averager(self, model, params=None) -> GradientAverager | None:
         """The by-hand average over the processes of ``model``'s trainable gradients (``params``: these
         instead, a PPO critic's), made once, in buckets of ``ddp_bucket_cap_mb`` (DDP's own setting,
-        25 MiB by default); None on one process and under FSDP2 (whose reduction is
-        ``trl_tree.distributed.fsdp``'s)."""
-        if self.accelerator.num_processes == 1 or self._fsdp2():
+        25 MiB by default); None on one process, for no ``params``, and under FSDP2 for a model (whose
+        reduction is ``trl_tree.distributed.fsdp``'s; ``params`` there: what stays whole beside it)."""
+        if self.accelerator.num_processes == 1 or (self._fsdp2() and params is None) or (
+                params is not None and not params):
             return None
         averagers = self.__dict__.setdefault("_tree_averagers", {})
         key = id(model)

@@ -14,6 +14,10 @@ policy's log-probs are predicted from:
 
 The critic's parameters are never under DDP: the trainer adds them to the optimizer as a group
 of their own and averages their gradients by hand (``grad_sync``) at each synchronising step.
+Under FSDP2 a separate value model is sharded as Accelerate shards the policy and a critic adapter
+is sharded with the policy it lives in; their gradients are reduced by FSDP2 itself, once per
+optimizer step (``distributed/fsdp.py``). Only a head outside both (``"shared"``, ``"adapter"``:
+``hidden_size + 1`` parameters) stays whole on every rank and is averaged by hand.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import warnings
 
 import torch
 from transformers import AutoModelForTokenClassification, PreTrainedModel
+
+from ...distributed.fsdp import copy_full_into, full_tensor
 
 CRITIC_KINDS = ("separate", "shared", "adapter")
 CRITIC_ADAPTER = "critic"
@@ -62,6 +68,7 @@ class Critic:
     def __init__(self, kind: str, head: torch.nn.Module, model: PreTrainedModel | None = None,
                  adapter_params: dict[str, torch.nn.Parameter] | None = None):
         self.kind = kind
+        self.sharded = False  # FSDP2: the value model, or the policy holding the adapter, is sharded
         self.head = head
         self.model = model
         self.adapter_params = adapter_params or {}
@@ -83,7 +90,9 @@ class Critic:
             model = _load_value_model(value_model, policy, model_init_kwargs)
             _check_value_model(model, vocab_size)
             _warn_other_tokenizer(model, policy, value_model if isinstance(value_model, str) else None, tokenizer)
-            return cls(kind, model.score, model=model.to(device))
+            if not any(p.is_meta for p in model.parameters()):  # FSDP2's low-memory loading: rank 0's come later
+                model = model.to(device)
+            return cls(kind, model.score, model=model)
         head = ValueHead(config.hidden_size, getattr(config, "initializer_range", 0.02)).to(device)
         if kind == "shared":
             return cls(kind, head)
@@ -96,6 +105,26 @@ class Critic:
             return [p for p in self.model.parameters() if p.requires_grad]
         return list(self.adapter_params.values()) + list(self.head.parameters())
 
+    def replicated_parameters(self) -> list[torch.nn.Parameter]:
+        """The trained parameters every rank holds whole, which the trainer averages by hand: all of
+        them, but where the critic is ``sharded`` (FSDP2) only a head outside the sharded models —
+        told by kind, not by type: inside a gathered block a sharded model shows whole parameters."""
+        if not self.sharded:
+            return [p for p in self.parameters() if p.requires_grad]
+        if self.kind == "separate":
+            return []
+        return [p for p in self.head.parameters() if p.requires_grad]
+
+    def refresh_adapter(self, policy: torch.nn.Module) -> None:
+        """Read the critic adapter's parameters from ``policy`` again: sharding the policy (FSDP2)
+        replaced every parameter object it held."""
+        if self.kind == "adapter":
+            names = set(self.adapter_params)
+            self.adapter_params = {n: p for n, p in _peft_model(policy).named_parameters() if n in names}
+            if set(self.adapter_params) != names:
+                raise RuntimeError("the critic adapter's parameters were not found in the prepared policy: "
+                                   f"{sorted(names - set(self.adapter_params))[:4]}")
+
     def named_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the critic (its trained tensors, by name)."""
         if self.kind == "separate":
@@ -104,14 +133,19 @@ class Critic:
         state.update({f"adapter.{k}": p.data for k, p in self.adapter_params.items()})
         return state
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str, write: bool = True) -> None:
+        """Write the critic to ``directory``. Every rank calls it where the critic is sharded (FSDP2):
+        each tensor is gathered whole on all of them, and only ``write`` ranks write."""
         from safetensors.torch import save_file
 
+        state = {k: full_tensor(v.detach()).contiguous().cpu() for k, v in self.named_state().items()}
+        if not write:
+            return
         os.makedirs(directory, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.named_state().items()}
         save_file(_untied(state), os.path.join(directory, CRITIC_STATE_FILE), metadata={"kind": self.kind})
         if self.kind == "separate":
-            self.model.save_pretrained(os.path.join(directory, VALUE_MODEL_DIR))
+            whole = {k[len("model."):]: v for k, v in state.items()}
+            self.model.save_pretrained(os.path.join(directory, VALUE_MODEL_DIR), state_dict=whole)
 
     def load(self, directory: str) -> bool:
         """Restore the critic from a checkpoint directory; False where it holds none."""
@@ -130,9 +164,8 @@ class Critic:
         missing = sorted(set(current) - set(state))
         if missing:
             raise ValueError(f"{path} lacks critic tensors {missing[:4]}")
-        with torch.no_grad():
-            for name, tensor in current.items():
-                tensor.copy_(state[name].to(tensor.device, tensor.dtype))
+        for name, tensor in current.items():
+            copy_full_into(tensor, state[name])
         return True
 
     # ------------------------------------------------------------------ running
@@ -232,7 +265,7 @@ def _add_critic_adapter(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter
     parameters by name. The policy adapter stays the active one."""
     import copy
 
-    peft_model = next((m for m in policy.modules() if hasattr(m, "peft_config") and hasattr(m, "add_adapter")), None)
+    peft_model = _peft_model(policy)
     if peft_model is None:
         raise ValueError("critic='adapter' trains a second adapter on the policy's frozen base; pass a peft_config "
                          "(or a PEFT model) — or choose critic='separate' or 'shared'")
@@ -247,6 +280,10 @@ def _add_critic_adapter(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter
     for p in params.values():
         p.requires_grad_(True)
     return params
+
+
+def _peft_model(policy: torch.nn.Module):
+    return next((m for m in policy.modules() if hasattr(m, "peft_config") and hasattr(m, "add_adapter")), None)
 
 
 @contextlib.contextmanager

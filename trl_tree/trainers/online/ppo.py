@@ -16,6 +16,13 @@ log-probs and the policy loss through the mixin, the critic's values through
 ``trl_tree.tree_values`` / ``tree_value_backward`` (a value model's backbone, or the policy's trunk
 under a critic adapter), or — a head on the policy's trunk — in the policy's own forward.
 ``tree_mode="off"`` computes the same on the padded batch (the untreed reference).
+
+Under FSDP2 every critic kind trains sharded: a separate value model is sharded as Accelerate
+shards the policy (``distributed/fsdp.shard_as_accelerate``), a critic adapter with the policy; the
+critic's calls run under the engine's gather-once path (``distributed/fsdp.gathered``) and its
+gradients are reduced once per optimizer step (``reduce_gradients``), as the policy's. Its value
+calls there always take the two-pass backward: the engine calls a critic's backbone directly, past
+the FSDP2 root whose hooks would otherwise re-gather what a one-pass backward needs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model, use_adapter
 
+from ...distributed.fsdp import gathered, reduce_gradients, resharded, shard_as_accelerate
 from ...engine.api import tree_value_backward, tree_values
 from ...engine.model_parts import capture_last_hidden_state, value_model_parts
 from .advantages import (
@@ -72,9 +80,11 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ construction
     def _setup_critic(self, value_model) -> None:
         args = self.args
-        if self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
-            raise ValueError(f"TreePPOTrainer: the critic is trained beside the policy with gradients averaged by hand "
-                             f"(DDP); {self.accelerator.distributed_type.value} is not supported yet")
+        if self._sharded() and not self._fsdp2():
+            raise ValueError(f"TreePPOTrainer: the critic trains under DDP (gradients averaged by hand) and FSDP2 "
+                             f"(sharded, reduced by FSDP2 once per step), not {self._wrapper_name()}; use "
+                             "examples/accelerate/fsdp2.yaml or multi_gpu.yaml")
+        self._critic_fsdp_pending = False  # FSDP2: a separate critic's gradients await their reduction
         policy = self._unwrapped(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         vocab = policy.get_input_embeddings().num_embeddings  # the ids the policy reads (and generates)
@@ -94,11 +104,20 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 from ...engine.compile import compile_layers
 
                 compile_layers(critic_model)
-        if self.accelerator.num_processes > 1:  # one critic on every rank (heads drew from per-rank seeds)
+        # one critic on every rank (heads drew from per-rank seeds); under FSDP2's low-memory loading the
+        # other ranks hold a value model on the meta device, and sharding it hands them rank 0's weights
+        low_memory = self._fsdp2() and critic_model is not None and bool(
+            getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))
+        if self.accelerator.num_processes > 1 and not low_memory:
             with torch.no_grad():
                 for p in self.critic.parameters():
                     torch.distributed.broadcast(p.data, src=0)
-        if self.critic.kind == "adapter" and self.accelerator.num_processes > 1:
+        if self._fsdp2():
+            self.critic.sharded = True  # the policy (and an adapter in it) once the Trainer prepares it
+            if critic_model is not None:  # the value model sharded as the policy will be, after the broadcast
+                self.critic.model = shard_as_accelerate(self.accelerator, critic_model)
+                self.critic.head = self.critic.model.score
+        if self.critic.kind == "adapter" and self.accelerator.num_processes > 1 and not self._fsdp2():
             # the critic adapter is not used by the policy's DDP forward: DDP must not wait for its gradients
             from torch.nn.parallel import DistributedDataParallel
 
@@ -108,7 +127,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
     def create_optimizer(self, model=None):
         """TRL's optimizer for the policy, plus one parameter group for the critic (its own learning
-        rate with ``critic_learning_rate``; the scheduler scales both)."""
+        rate with ``critic_learning_rate``; the scheduler scales both). Under FSDP2 the critic's group
+        joins once the policy is sharded (``create_scheduler``): Accelerate swaps the optimizer's
+        parameters for the policy's sharded ones and knows no other model's."""
         critic_params = self.critic.parameters()
         saved = [p.requires_grad for p in critic_params]
         for p in critic_params:  # a critic adapter lives in the policy model: keep it out of the policy's groups
@@ -118,11 +139,27 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         finally:
             for p, flag in zip(critic_params, saved):
                 p.requires_grad_(flag)
-        group = {"params": critic_params, "weight_decay": self.args.weight_decay}
+        if not self._fsdp2():
+            self._add_critic_group(optimizer)
+        return optimizer
+
+    def _add_critic_group(self, optimizer) -> None:
+        group = {"params": self.critic.parameters(), "weight_decay": self.args.weight_decay}
         if self.args.critic_learning_rate is not None:
             group["lr"] = self.args.critic_learning_rate
         optimizer.add_param_group(group)
-        return optimizer
+        self._critic_group_added = True
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Under FSDP2, here — after ``accelerator.prepare`` sharded the policy, before the scheduler
+        reads the optimizer's groups — the critic adapter's parameters are read again from the sharded
+        policy and the critic's group is added."""
+        if self._fsdp2() and not getattr(self, "_critic_group_added", False):
+            if self.critic.model is not None:
+                resharded(self.critic.model)  # the optimizer takes the sharded parameters
+            self.critic.refresh_adapter(self._unwrapped(self.model))
+            self._add_critic_group(self.optimizer if optimizer is None else optimizer)
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # ------------------------------------------------------------------ rollouts
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -237,7 +274,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         policy = self._unwrapped(self.model)
         model = self.critic.backbone_model(policy)
         head = self._critic_head()
-        needs_active = self.critic.kind == "adapter" and self.args.gradient_checkpointing
+        # a critic adapter under checkpointing (its recompute must run the adapter) and every critic under
+        # FSDP2 (its calls gathered once, their backward inside them): the values' backward in a second pass
+        needs_active = (self.critic.kind == "adapter" and self.args.gradient_checkpointing) or self._fsdp2()
         if self.args.tree_mode == "off":
             if differentiable and not needs_active:
                 return self._padded_values(model, head, input_ids, attention_mask, logits_to_keep, None)
@@ -247,9 +286,11 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 return values
 
             def padded_backward(grad, *_):
-                with torch.enable_grad(), self.critic.active(policy):  # the recompute runs the critic adapter
+                # the recompute runs the critic adapter (and, under FSDP2, on the gathered critic)
+                with torch.enable_grad(), self.critic.active(policy), self._critic_gathered(model):
                     again = self._padded_values(model, head, input_ids, attention_mask, logits_to_keep, None)
                     torch.autograd.backward(again, grad.to(again.dtype))
+                self._critic_reduction_pending()
 
             return bridge(values, None, padded_backward)[0]
 
@@ -275,7 +316,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def _tree_values(self, policy, model, head, rows, calls, forests, kwargs) -> torch.Tensor:
         """``(B, logits_to_keep)`` values of ``rows`` from the tree calls."""
         parts = []
-        with self.critic.active(policy), self.accelerator.autocast():
+        with self.critic.active(policy), self.accelerator.autocast(), self._critic_gathered(model):
             for call, forest in zip(calls, forests):
                 parts.append(torch.cat(tree_values(model, forest, head, score_from=rows.subset(call)[1], **kwargs)))
         return rows.to_padded(parts, calls)
@@ -284,7 +325,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                               final: bool = True) -> None:
         """The critic's tree backward with the per-token weights ``grad = dLoss/dvalue``; ``final``:
         these calls end the step's critic backward (the last one's arms the critic's overlapped average)."""
-        with self.critic.active(policy), self.accelerator.autocast():
+        with self.critic.active(policy), self.accelerator.autocast(), self._critic_gathered(model):
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 weights = grad[where].float()
@@ -294,6 +335,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
                 with self._arming(self.critic, final and i == len(calls) - 1, self._critic_params()):
                     tree_value_backward(model, forest, value_loss, head, score_from=rows.subset(call)[1], **kwargs)
+        self._critic_reduction_pending()
         if final:
             self._flush_average(self.critic, self._critic_params())
 
@@ -332,7 +374,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         backbone = value_model_parts(model, head).backbone
         step = batch_size or input_ids.shape[0]
         out = []
-        with self.critic.active(self._unwrapped(self.model)), self.accelerator.autocast():
+        with self.critic.active(self._unwrapped(self.model)), self.accelerator.autocast(), \
+                self._critic_gathered(model):
             for start in range(0, input_ids.shape[0], step):
                 hidden = backbone(input_ids=input_ids[start : start + step],
                                   attention_mask=attention_mask[start : start + step], use_cache=False)
@@ -435,11 +478,33 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
             # the critic is never under DDP: its gradients, accumulated over the window, averaged once
             # (the buckets its last backward did not already send: _tree_values_backward's arming)
-            self._averager(self.critic, self._critic_params()).finish()
+            params = self._critic_params()
+            if params:
+                self._averager(self.critic, params).finish()
+            if self._critic_fsdp_pending:  # FSDP2: the sharded value model's one reduction of the step
+                self._critic_fsdp_pending = False
+                reduce_gradients(self.critic.model, self.accelerator.device)
+            self._reduce_pending(self.model)  # a critic adapter's, after the policy's own reduction
 
     def _critic_params(self) -> list[torch.nn.Parameter]:
-        """The critic's trainable parameters (value model or adapter, and head), averaged by hand."""
-        return [p for p in self.critic.parameters() if p.requires_grad]
+        """The critic's trainable parameters that are averaged by hand: all of them under DDP (value
+        model or adapter, and head); under FSDP2 only the head outside the sharded models."""
+        return self.critic.replicated_parameters()
+
+    def _critic_gathered(self, model):
+        """Under FSDP2, the critic's backbone model (the value model, or the policy) gathered once for
+        a sequence of calls, gradients accumulated unreduced (``distributed/fsdp.gathered``)."""
+        return gathered(model) if self._fsdp2() else contextlib.nullcontext()
+
+    def _critic_reduction_pending(self) -> None:
+        """Under FSDP2, after a critic backward: its sharded gradients await the step's one reduction
+        — the value model's own, or the policy's (a critic adapter, a head on the trunk)."""
+        if not self._fsdp2():
+            return
+        if self.critic.kind == "separate":
+            self._critic_fsdp_pending = True
+        else:
+            self._tree_fsdp_pending = True
 
     def _clip_grad_norm(self, model):
         """Clip the policy's and the critic's gradients together (one norm), as TRL 1.12's PPO did."""
@@ -449,16 +514,16 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save:
+        if self.args.should_save or self._fsdp2():  # a sharded critic is gathered on every rank
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self.critic.save(os.path.join(self._get_output_dir(trial=trial), folder))
+            self.critic.save(os.path.join(self._get_output_dir(trial=trial), folder), write=self.args.should_save)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        if self.args.should_save and not _internal_call:
-            self.critic.save(output_dir or self.args.output_dir)
+        if (self.args.should_save or self._fsdp2()) and not _internal_call:
+            self.critic.save(output_dir or self.args.output_dir, write=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
