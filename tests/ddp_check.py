@@ -167,7 +167,7 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
             args = TreeGRPOConfig(loss_type="dapo", beta=0.04, **common)
             cls = TreeGRPOTrainer
         else:
-            args = TreePPOConfig(critic=critic, kl_coef=0.1, **common)
+            args = TreePPOConfig(**{"critic": critic, "kl_coef": 0.1, **common})
             cls = TreePPOTrainer
         torch.manual_seed(0)
         adapter = {}

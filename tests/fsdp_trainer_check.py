@@ -43,8 +43,9 @@ PPO_RUNS = (
     ("separate", "off", "auto", {}, ""),
     ("separate", "packed", "micro_step", {}, ""),
     ("separate", "dfs", "accumulation", {}, ""),
-    ("shared", "packed", "accumulation", {}, ""),
-    ("shared", "dfs", "micro_step", {}, ""),
+    # no KL penalty: no policy forward before the critic's first (on the policy's trunk, past its FSDP2 root)
+    ("shared", "packed", "accumulation", {"kl_coef": 0.0}, ""),
+    ("shared", "dfs", "micro_step", {"kl_coef": 0.0}, ""),
     ("adapter", "packed", "micro_step", {"lora": True}, ""),
     ("adapter", "dfs", "accumulation", {"lora": True}, ""),
 )
@@ -95,6 +96,22 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
     for critic, mode, window, extra, tag in PPO_BF16_RUNS:
         ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window,
                                    tag=f"fsdp-bf16{'-' + tag if tag else ''}", dtype=torch.float32, bf16=True, **extra)
+
+
+#: four processes, one prompt group per optimizer step (4 rows): a window would leave ranks without a
+#: tree, and under FSDP2 such windows run the micro-steps' own trees; (algo, critic, tree_mode, extra)
+IDLE_RANK_RUNS = (
+    ("grpo", None, "dfs", {}),
+    ("ppo", "shared", "packed", {"kl_coef": 0.0}),
+    ("ppo", "separate", "dfs", {"kl_coef": 0.0}),
+)
+
+
+def main_idle(checkpoint: str, out_dir: str) -> None:
+    emulate_fsdp2_on_cpu()
+    for algo, critic, mode, extra in IDLE_RANK_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, algo, critic, mode, "accumulation", tag="fsdp-idle", rows=4,
+                                   gradient_accumulation_steps=1, **extra)
 
 
 def full_parameters(model) -> dict:
@@ -165,6 +182,8 @@ def main_offline(out_dir: str) -> None:
 if __name__ == "__main__":
     if sys.argv[3:] == ["ppo"]:
         main_ppo(sys.argv[1], sys.argv[2])
+    elif sys.argv[3:] == ["idle"]:
+        main_idle(sys.argv[1], sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2])
         main_offline(sys.argv[2])

@@ -181,3 +181,35 @@ def test_ppo_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
     for p in critic:  # every trained critic tensor is in the file, whole (not a rank's shard)
         assert any(t.shape == p.shape and torch.equal(t.to(p.dtype), p) for t in saved.values()), tuple(p.shape)
     assert (tmp_path / "ppo-separate-packed-accumulation-fsdp-bf16" / "final" / "value_model" / "config.json").is_file()
+
+
+def test_fsdp2_window_that_would_leave_a_rank_idle_runs_the_micro_steps_trees(tmp_path):
+    """Four processes under FSDP2 and one prompt group per optimizer step: a window would leave ranks
+    without a tree, where its calls would gather and reduce the sharded model on the owners only and
+    the ranks would wait for each other forever. The trainers say so and run the micro-steps' own
+    trees instead: GRPO (dfs) and PPO (a head on the trunk, packed; a separate value model, dfs)
+    finish, the ranks agree, and the update is one process's (float64, 1e-5)."""
+    import ddp_check
+    import fsdp_trainer_check
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
+           os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", "4",
+           os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path), "idle"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "without a tree under FSDP2" in done.stderr
+    for algo, critic, mode, extra in fsdp_trainer_check.IDLE_RANK_RUNS:
+        name = ddp_check.train_window_run(checkpoint, str(tmp_path), algo, critic, "off", "auto", rows=4,
+                                          gradient_accumulation_steps=1, **extra)
+        one = torch.load(tmp_path / f"win-{name}-p1_rank0.pt")
+        run = "-".join(x for x in (algo, critic, mode, "accumulation", "fsdp-idle") if x)
+        four = [torch.load(tmp_path / f"win-{run}-p4_rank{r}.pt") for r in range(4)]
+        assert four[0]["sharded"]
+        for param, p in four[0]["params"].items():
+            for other in four[1:]:
+                assert torch.equal(p, other["params"][param]), f"{run}: ranks disagree on {param}"
+            want = one["params"][param].double() - one["start"][param].double()
+            err = float((p.double() - four[0]["start"][param].double() - want).norm() / want.norm().clamp(min=1e-30))
+            assert err < 1e-5, f"{run}: {param}'s update differs from one process's by {err:.2e}"

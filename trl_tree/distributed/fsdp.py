@@ -75,12 +75,25 @@ def gathered(model: torch.nn.Module):
     if not modules:
         yield False
         return
+    init_root(modules[0])
     _GATHERED.add(id(model))
     try:
         with _gathered(modules):
             yield True
     finally:
         _GATHERED.discard(id(model))
+
+
+def init_root(root: torch.nn.Module) -> None:
+    """FSDP2's lazy initialisation of ``root`` as the root, if no forward of it ran yet. Calls in a
+    gathered block may enter past the root (the engine calls a critic's backbone, on the policy's
+    trunk too, where no policy forward came first: PPO without a KL penalty under a rollout
+    function), and the first FSDP2 module to run a forward makes itself the root — under
+    Accelerate's sharding a group of several modules (the final norm and the LM head), which FSDP2
+    refuses as a root (measured on torch 2.11: "FSDP requires a single root module")."""
+    state = root._get_fsdp_state()
+    if getattr(state, "_is_root", False) is None and hasattr(state, "_lazy_init"):
+        state._lazy_init()
 
 
 def _unsharded(module) -> bool:
@@ -136,7 +149,7 @@ def root_unsharded(model: torch.nn.Module, reshard_after: bool):
     it. ``reshard_after``: reshard on leaving (a forward without a graph); else the backward's
     post-backward hook reshards, as after FSDP2's own forward."""
     modules = fsdp_modules(model)
-    if not modules:
+    if not modules or id(model) in _GATHERED:  # inside gathered(): whole already, and kept so
         yield
         return
     root = modules[0]

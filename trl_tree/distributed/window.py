@@ -137,6 +137,11 @@ class TreeWindow:
         self._by_width = split_by_width
         self._layout = None
 
+    @property
+    def idle_ranks(self) -> list[int]:
+        """The ranks that own no tree in this window (fewer trees than ranks, even after a cut)."""
+        return [rank for rank, cost in enumerate(self.rank_costs) if cost == 0]
+
     # ------------------------------------------------------------------ plan
     @staticmethod
     def payload(micro_rows: list[PaddedRows], widths: list[int]) -> tuple:

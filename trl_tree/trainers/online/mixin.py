@@ -417,7 +417,9 @@ class TreeTrainerMixin(TreeCallsMixin):
                 return self._window_policy(window, micro, model, compute_entropy)
         elif (self.model.training and self._windows_on() and self.accelerator.num_processes > 1
               and not compute_aux_loss):
-            return self._placed_forward(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+            placed = self._placed_forward(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+            if placed is not None:
+                return placed
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
@@ -509,7 +511,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                                       one_pass=self._window_one_pass() is not None)
             metrics = self._metrics["train"]
             metrics["tree/rank_imbalance_stock"].append(window.stock_imbalance)
-            if args.tree_window == "auto" and not window.pays:
+            if (args.tree_window == "auto" and not window.pays) or self._idle_ranks_refused(window):
                 metrics["tree/rank_imbalance"].append(window.stock_imbalance)
                 window = None
             else:
@@ -569,11 +571,31 @@ class TreeTrainerMixin(TreeCallsMixin):
         rows = PaddedRows.from_padded(input_ids, attention_mask, logits_to_keep)
         exchange = RankExchange(self.accelerator.process_index, self.accelerator.num_processes, exchange_group())
         window = self._new_window(model, [rows], [input_ids.shape[1]], exchange, False, stock_two_pass=False)
+        if self._idle_ranks_refused(window):
+            return None
         target = self._unwrapped(model)
         window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
         self._metrics["train"]["tree/rank_imbalance_forward"].append(window.imbalance)
         logps, entropies, _ = window.outputs("forward", 0)
         return logps, entropies, None
+
+    def _idle_ranks_refused(self, window: TreeWindow) -> bool:
+        """Under FSDP2, a window that leaves a rank without trees (two agentic trees for four ranks)
+        is not run: its calls gather and reduce the sharded model on the trees' owners only, so the
+        ranks' collectives would differ and they would wait for each other (measured: a four-GPU W4
+        PPO step that never ended). Those micro-steps run their own trees on their own rows instead,
+        as ``tree_window="micro_step"`` does — exact, with less sharing; said once in the log."""
+        if not self._fsdp2() or not window.idle_ranks:
+            return False
+        if not getattr(self, "_tree_idle_ranks_said", False):
+            self._tree_idle_ranks_said = True
+            logger.warning(
+                "%s: an accumulation window would leave rank(s) %s without a tree under FSDP2, where a window's "
+                "calls gather and reduce the sharded model on the trees' owners only; such windows run their "
+                "micro-steps' own trees instead (tree_window='micro_step'). More rows per window than ranks have "
+                "trees (gradient_accumulation_steps, per_device_train_batch_size) keep every rank busy",
+                type(self).__name__, window.idle_ranks)
+        return True
 
     def _new_window(self, model, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange,
                     gradient_checkpointing: bool, stock_two_pass: bool, one_pass: bool = False) -> TreeWindow:

@@ -34,6 +34,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model, use_adapter
 
+from ...distributed.exchange import reduction_group
 from ...distributed.fsdp import gathered, reduce_gradients, resharded, shard_as_accelerate
 from ...engine.api import tree_value_backward, tree_values
 from ...engine.model_parts import capture_last_hidden_state, value_model_parts
@@ -114,6 +115,11 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                     torch.distributed.broadcast(p.data, src=0)
         if self._fsdp2():
             self.critic.sharded = True  # the policy (and an adapter in it) once the Trainer prepares it
+            if self.critic.kind != "separate" and self.accelerator.num_processes > 1:
+                # the head beside the sharded models is averaged by hand on a communicator of its own, as under
+                # DDP: on FSDP2's group its all-reduces, launched from the backward's hooks, would fall among the
+                # all-gathers and reduce-scatters in an order that need not be every rank's
+                self._tree_reduce_group = reduction_group(self.accelerator.device)
             if critic_model is not None:  # the value model sharded as the policy will be, after the broadcast
                 self.critic.model = shard_as_accelerate(self.accelerator, critic_model)
                 self.critic.head = self.critic.model.score
