@@ -49,6 +49,8 @@ def main() -> int:
                 rise = re.search(r"reward (-?[0-9.]+) -> (-?[0-9.]+)", done.stdout)
                 if not rise or float(rise.group(2)) - float(rise.group(1)) < 0.1:
                     why = "the reward did not rise by 0.1:\n" + done.stdout[-2000:]
+            elif script == "ppo_tree.py" and "critic's warm-up" not in done.stdout:  # 2 steps: warm-up only
+                why = "two steps of the critic's warm-up, and the example did not say so:\n" + done.stdout[-2000:]
         print(f"{'ok  ' if why is None else 'FAIL'} {script} ({took:.0f} s)", flush=True)
         if why is not None:
             failed.append(script)

@@ -74,9 +74,14 @@ def _train(args, workdir: str) -> None:
         trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+        warmup = config.critic_warmup_steps  # these steps train the critic alone and log no policy tree
+        ratios = [h["tree/dedup_ratio"] for h in trainer.state.log_history if "tree/dedup_ratio" in h]
         print(f"{learning_line([h['objective/scores'] for h in logs])}; explained variance "
               f"{logs[0]['val/explained_variance']:.2f} -> {logs[-1]['val/explained_variance']:.2f}; "
-              f"T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; processes {trainer.accelerator.num_processes}")
+              f"T/U {f'{ratios[-1]:.2f}' if ratios else 'n/a'}; processes {trainer.accelerator.num_processes}")
+        if args.steps <= warmup:
+            print(f"all {args.steps} steps were the critic's warm-up (critic_warmup_steps={warmup}): the policy has "
+                  f"not trained yet; run more than {warmup} steps")
 
 
 if __name__ == "__main__":

@@ -380,3 +380,19 @@ def test_profiled_ranges_open_one_per_call():
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "trl_tree.test.nested")
     assert len(spans) == 3  # nested, each closed by its own call
     assert spans[0][0] <= spans[1][0] <= spans[2][0] <= spans[2][1] <= spans[1][1] <= spans[0][1]
+
+
+def test_the_demo_says_when_its_ratio_is_not_to_be_trusted(monkeypatch, capsys):
+    """The demo times stock and tree one after the other: steps that vary more than 1.5x within a run,
+    or a load average above the cores, make it say the ratio may be skewed; a quiet run says nothing."""
+    from trl_tree.tools import demo
+
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    demo._say_if_unreliable((100.0, 120.0), (400.0, 430.0))
+    assert capsys.readouterr().out == ""
+    demo._say_if_unreliable((100.0, 190.0), (400.0, 430.0))
+    assert "varied up to 1.9x" in capsys.readouterr().out
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (4.2, 4.0, 4.0))
+    demo._say_if_unreliable((100.0, 120.0), (400.0, 430.0))
+    assert "load average is 4.2 on 2 core(s)" in capsys.readouterr().out

@@ -133,6 +133,11 @@ def test_batch_sizes_that_split_groups_between_optimizer_steps(checkpoint):
         _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=4,
                             gradient_accumulation_steps=3, steps_per_generation=4, max_steps=1)
     assert not trainer._windows_on()
+    # the warning keeps the fix the error names (the working batch sizes), not only the diagnosis
+    with pytest.warns(UserWarning, match=r"Use gradient_accumulation_steps=2 .*or steps_per_generation=1 .*trees per "
+                                         r"micro-step here"):
+        run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+            steps_per_generation=4, max_steps=1)
     with pytest.warns(UserWarning, match="split between micro-steps"):
         run(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, per_device_train_batch_size=2, tree_window="micro_step",
             max_steps=1)

@@ -102,8 +102,8 @@ class TreeTrainerMixin(TreeCallsMixin):
         if self.args.tree_window == "accumulation":
             raise ValueError(f"{name}: {why}")
         self._tree_window_fallback = True
-        warnings.warn(f"{name}: {why.split('. ')[0]}; tree_window='auto' computes trees per micro-step here",
-                      stacklevel=4)
+        warnings.warn(f"{name}: {why}. tree_window='auto' computes trees per micro-step here, as stock TRL trains "
+                      "this layout (tree_window='accumulation' refuses it)", stacklevel=4)
 
     def _check_whole_groups(self) -> None:
         """Refuse batch sizes with which accumulation windows cannot hold whole prompt groups; warn
