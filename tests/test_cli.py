@@ -241,3 +241,22 @@ def test_demo_runs_sft_and_dpo(capsys, algo):
     assert main(["demo", "--algo", algo, "--steps", "2", "--stock-steps", "2"]) == 0
     out = capsys.readouterr().out
     assert f"stock {algo.upper()}" in out and f"tree {algo.upper()}" in out and "loss" in out
+
+
+def test_inspect_counts_the_same_things_in_every_mode():
+    """Untreed, packed and dfs each count the LM head's call with its weight gradient (once left out
+    of packed alone, which then read lighter than the memory-saving walk on every file): one
+    sequence reads the same untreed and packed, and each figure holds at least the head's
+    weight-gradient buffers."""
+    from trl_tree.data.tiny import shaped_config
+    from trl_tree.inspection import inspect
+
+    config = shaped_config("1.5b")
+    weight = config.vocab_size * config.hidden_size * (4 + 2)
+    one, _ = inspect([list(range(2, 402))], [300], config)
+    assert abs(one.packed_bytes - one.stock_bytes) <= 0.01 * one.stock_bytes
+    shared = [list(range(2, 302)) + [1000 + 100 * i + j for j in range(100)] for i in range(8)]
+    rep, _ = inspect(shared, [300] * 8, config)
+    for figure in (rep.stock_bytes, rep.packed_bytes, rep.dfs_bytes):
+        assert figure > weight
+    assert rep.packed_bytes < rep.stock_bytes

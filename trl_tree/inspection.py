@@ -271,7 +271,8 @@ def inspect(seqs: list[list[int]], score_from: list[int], config, model_name: st
         scored = sum(n - f for n, f in zip(lengths, first))
         stock_flops += step_flops(StepCost(sum(lengths), scored, sum(n * (n + 1) // 2 for n in lengths)), config, True)
         stock_bytes = max(stock_bytes, model.call(len(part) * max(lengths), scored, True))
-        packed_bytes = max(packed_bytes, estimate_bytes(config, forest.num_unique_tokens, True))
+        packed_bytes = max(packed_bytes, estimate_bytes(config, forest.num_unique_tokens, True,
+                                                        head_rows=plan.num_predictions))
         children = forest.node_num_children
         branching.update(int(c) for c in children[children > 1])
     longest = max(len(s) for s in seqs)
