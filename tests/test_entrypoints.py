@@ -396,3 +396,26 @@ def test_the_demo_says_when_its_ratio_is_not_to_be_trusted(monkeypatch, capsys):
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (4.2, 4.0, 4.0))
     demo._say_if_unreliable((100.0, 120.0), (400.0, 430.0))
     assert "load average is 4.2 on 2 core(s)" in capsys.readouterr().out
+
+
+def test_the_bench_records_other_jobs_on_the_gpus(monkeypatch, capsys):
+    """``environment()`` lists the processes of other jobs on the host's GPUs (its own launch's left
+    out) and warns on stderr; where nvidia-smi is missing it says it cannot tell."""
+    import os
+    import types
+
+    from trl_tree.bench import common
+
+    table = f"{os.getpid()}, python, 900\n{os.getppid()}, accelerate, 10\n4242424, python3, 30000\n"
+    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=table))
+    assert common.gpu_neighbours() == [{"pid": 4242424, "name": "python3", "used_mib": "30000"}]
+    assert "other processes use this host's GPUs" in capsys.readouterr().err
+    monkeypatch.setattr(common.subprocess, "run",
+                        lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=f"{os.getpid()}, python, 900\n"))
+    assert common.gpu_neighbours() == [] and capsys.readouterr().err == ""
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(common.subprocess, "run", missing)
+    assert common.gpu_neighbours().startswith("unknown")

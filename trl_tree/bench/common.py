@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
 
 import torch
@@ -260,7 +263,53 @@ def environment(kernels: str = "hf") -> dict:
         # the host's intra-op threads: `accelerate launch` sets OMP_NUM_THREADS=1 per process where
         # a plain `python` run takes every core, so one-process and launched runs differ here
         "cpu_threads": torch.get_num_threads(),
+        # other jobs on this host's GPUs when the results were written: a neighbour slowed stock's host-bound
+        # micro-steps up to 2.4x and the tree's step ~6% (measured), so a figure taken beside one is not a result
+        "gpu_neighbours": gpu_neighbours(),
     }
+
+
+def gpu_neighbours() -> list[dict] | str:
+    """The processes of other jobs that hold memory on this host's GPUs now (``nvidia-smi``), this
+    run's own left out — this process, its launcher and the launcher's other ranks — with a warning
+    on stderr when there are any; a string where it cannot be told (no ``nvidia-smi``, or one that
+    lists no process of this run, as in containers that hide the host's process table)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown: no nvidia-smi"
+    if done.returncode != 0:
+        return "unknown: nvidia-smi failed"
+    listed = []
+    for line in done.stdout.strip().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) >= 3 and fields[0].isdigit():
+            listed.append({"pid": int(fields[0]), "name": fields[1], "used_mib": fields[2]})
+    ours = _own_processes()
+    if torch.cuda.is_available() and torch.cuda.memory_reserved() > 0 and not any(p["pid"] in ours for p in listed):
+        return "unknown: nvidia-smi lists no process of this run (another process namespace)"
+    others = [p for p in listed if p["pid"] not in ours]
+    if others:
+        print(f"WARNING: other processes use this host's GPUs ({others}): timings taken beside them are not "
+              "results (one benchmark per host at a time)", file=sys.stderr, flush=True)
+    return others
+
+
+def _own_processes() -> set[int]:
+    """This process, its parent (a launcher) and the parent's other children (the launch's ranks)."""
+    me, parent = os.getpid(), os.getppid()
+    ours = {me, parent}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # field 4: the parent's pid
+                    ours.add(int(entry))
+    except OSError:
+        pass
+    return ours
 
 
 def _kernels_label(kernels: str) -> str:
