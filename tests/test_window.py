@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from trl_tree.data.tiny import tiny_config
 from trl_tree.distributed.exchange import RankExchange
 from trl_tree.distributed.grouping import plan_windows
 from trl_tree.engine.rows import PaddedRows
-from trl_tree.distributed.window import TreeWindow, group_step_cost
+from trl_tree.distributed.window import TreeWindow, decode_payload, encode_payload, group_step_cost
 
 CONFIG = tiny_config("qwen2")
 
@@ -33,8 +35,11 @@ class ViewOf(RankExchange):
     def __init__(self, rank: int, payloads: list) -> None:  # no process group: a view, not a rank
         self.rank, self.world, self.payloads = rank, len(payloads), payloads
 
-    def all_gather_object(self, obj):
+    def all_gather_ints(self, values):
         return self.payloads
+
+    def all_gather_object(self, obj):  # the passes' dtype agreement: every view agrees with itself
+        return [obj] * self.world
 
 
 def rows_of(groups: list[tuple[list[int], list[list[int]]]]) -> PaddedRows:
@@ -49,7 +54,7 @@ def rows_of(groups: list[tuple[list[int], list[list[int]]]]) -> PaddedRows:
 
 def windows(layout: list[list[PaddedRows]]) -> list[TreeWindow]:
     """Every rank's view of one window; ``layout[rank][micro]`` its rows."""
-    payloads = [TreeWindow.payload(micros, [64] * len(micros)) for micros in layout]
+    payloads = [encode_payload(micros, [64] * len(micros)) for micros in layout]
     return [TreeWindow(micros, [64] * len(micros), ViewOf(r, payloads), CONFIG, True, None, False, False)
             for r, micros in enumerate(layout)]
 
@@ -169,3 +174,18 @@ def test_accelerate_configs_are_valid_and_documented():
         nodes = yaml.safe_load(f)
     assert kinds["multi_node.yaml"][0] == "MULTI_GPU" and nodes["num_machines"] > 1
     assert nodes["num_processes"] % nodes["num_machines"] == 0 and nodes["main_process_ip"]
+
+
+def test_the_window_payload_reads_back_what_was_sent():
+    """A rank's rows go to the others as one int64 array (two tensor collectives, no pickling): widths,
+    per micro-step the rows' tokens and score offsets — an empty micro-batch included — read back
+    as sent; a damaged array is an error, not a wrong plan."""
+    micros = [rows_of([(list(range(5, 12)), [[1, 2], [3]])]), PaddedRows.from_sequences([], []),
+              rows_of([([9] * 4, [[7, 7, 7]])])]
+    values = encode_payload(micros, [40, 0, 12])
+    got, widths = decode_payload(values)
+    assert widths == [40, 0, 12]
+    want = [[(s.numpy(), f) for s, f in zip(m.sequences, m.score_from)] for m in micros]
+    assert [[(t.tolist(), f) for t, f in m] for m in got] == [[(t.tolist(), f) for t, f in m] for m in want]
+    with pytest.raises(ValueError, match="not encode_payload's"):
+        decode_payload(np.concatenate([values, [3]]))

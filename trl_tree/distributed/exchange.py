@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -31,12 +32,39 @@ class RankExchange:
             raise RuntimeError(f"{self.world} ranks asked for but torch.distributed is not initialised")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (pickled; for the window's token ids and lengths)."""
+        """Every rank's ``obj``, in rank order (pickled: for small agreements, such as which kinds of
+        gradient a pass received; the window's token ids go through :meth:`all_gather_ints`)."""
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_ints(self, values: np.ndarray) -> list[np.ndarray]:
+        """Every rank's 1-D int64 array, in rank order, through two tensor collectives — the lengths,
+        then the arrays padded to the longest — and one copy back to the host: no pickling, which
+        ``all_gather_object`` does to every rank's token arrays at every window (host time a short
+        step pays in full)."""
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        if self.world == 1:
+            return [values]
+        device = self._device()
+        size = torch.tensor([values.size], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world)]
+        torch.distributed.all_gather(sizes, size, group=self.group)
+        counts = torch.cat(sizes).tolist()  # one read-back
+        mine = torch.zeros(max(counts), dtype=torch.int64, device=device)
+        mine[: values.size] = torch.from_numpy(values).to(device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        torch.distributed.all_gather(out, mine, group=self.group)
+        flat = torch.stack(out).cpu().numpy()
+        return [flat[r, : counts[r]] for r in range(self.world)]
+
+    def _device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the current GPU under NCCL, else the CPU."""
+        if torch.distributed.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         """``send[d]`` (1-D, one dtype and device for all) goes to rank ``d``; returns what each rank

@@ -98,7 +98,7 @@ class TreeWindow:
                  gradient_checkpointing: bool, token_budget: int | None, split_by_width: bool,
                  stock_two_pass: bool, one_pass: bool = False) -> None:
         self.micro_rows, self.exchange, self.token_budget = micro_rows, exchange, token_budget
-        gathered = exchange.all_gather_object(self.payload(micro_rows, widths))
+        gathered = [decode_payload(v) for v in exchange.all_gather_ints(encode_payload(micro_rows, widths))]
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
                      for rank, (micros, rank_widths) in enumerate(gathered)
                      for m, micro in enumerate(micros) for i, (tokens, first) in enumerate(micro)]
@@ -143,12 +143,6 @@ class TreeWindow:
         return [rank for rank, cost in enumerate(self.rank_costs) if cost == 0]
 
     # ------------------------------------------------------------------ plan
-    @staticmethod
-    def payload(micro_rows: list[PaddedRows], widths: list[int]) -> tuple:
-        """What a rank sends every other when a window opens: its rows' tokens and score offsets per
-        micro-step, and the micro-batches' padded widths."""
-        mine = [list(zip(r.host_sequences(), r.score_from)) for r in micro_rows]  # one read-back per micro-batch
-        return mine, list(widths)
 
     def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int):
         """Whole trees onto ranks (``balance``); while the busiest rank carries more than
@@ -368,3 +362,38 @@ def _summed(per_group) -> list[torch.Tensor | None] | None:
         results = out if results is None else [b if a is None else a if b is None else a + b
                                                for a, b in zip(results, out)]
     return results
+
+
+def encode_payload(micro_rows: list[PaddedRows], widths: list[int]) -> np.ndarray:
+    """What a rank sends every other when a window opens, as one int64 array: the number of
+    micro-steps and their padded widths, then per micro-step its row count, the rows' lengths and
+    score offsets, then every row's tokens (one read-back per micro-batch)."""
+    header: list[int] = [len(micro_rows), *widths]
+    tokens: list[np.ndarray] = []
+    for rows in micro_rows:
+        seqs = rows.host_sequences()
+        header += [len(seqs), *(len(t) for t in seqs), *(int(f) for f in rows.score_from)]
+        tokens += seqs
+    return np.concatenate([np.asarray(header, np.int64), *tokens]) if tokens else np.asarray(header, np.int64)
+
+
+def decode_payload(values: np.ndarray) -> tuple[list[list[tuple[np.ndarray, int]]], list[int]]:
+    """:func:`encode_payload` read back: per micro-step its rows' ``(tokens, score_from)``, and the widths."""
+    n = int(values[0])
+    widths = [int(w) for w in values[1 : 1 + n]]
+    at, shapes = 1 + n, []
+    for _ in range(n):
+        rows = int(values[at])
+        lengths, firsts = values[at + 1 : at + 1 + rows], values[at + 1 + rows : at + 1 + 2 * rows]
+        shapes.append((lengths.tolist(), firsts.tolist()))
+        at += 1 + 2 * rows
+    micros = []
+    for lengths, firsts in shapes:
+        micro = []
+        for length, first in zip(lengths, firsts):
+            micro.append((values[at : at + length], int(first)))
+            at += length
+        micros.append(micro)
+    if at != len(values):
+        raise ValueError(f"a window's payload of {len(values)} values decoded to {at}: it was not encode_payload's")
+    return micros, widths
