@@ -260,3 +260,31 @@ def test_inspect_counts_the_same_things_in_every_mode():
     for figure in (rep.stock_bytes, rep.packed_bytes, rep.dfs_bytes):
         assert figure > weight
     assert rep.packed_bytes < rep.stock_bytes
+
+
+def test_inspect_memory_agrees_with_the_peaks_measured_on_the_gpu():
+    """``inspect``'s figures against the activation peaks the GPU suite measured on one H200 (the
+    committed ``docs/benchmarks/suite_h200.json``: W1-W5 at 0.5B, 1.5B and 7B, bf16, gradient
+    checkpointing, every row in one call): the untreed padded step and the packed call (which keeps
+    its attention outputs by default, and runs a no-sharing batch padded) within 10%; the walk's
+    figure is an upper bound (the whole longest path's stack and the head's weight gradient at once),
+    at most 1.6x what it used."""
+    from trl_tree.bench.workloads import suite_workloads
+    from trl_tree.data.tiny import shaped_config
+    from trl_tree.inspection import inspect
+
+    measured = json.load(open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "suite_h200.json")))
+    checked = 0
+    for size, results in measured["results"].items():
+        config = shaped_config(size)
+        workloads = {w.name: w for w in suite_workloads(config.vocab_size, names={r["workload"] for r in results})}
+        for result in results:
+            w = workloads[result["workload"]]
+            peaks = {r["path"]: r["activation_peak_gib"] * 2**30 for r in result["rows"]}
+            rep, _ = inspect(w.sequences, [w.score_from] * len(w.sequences), config)
+            where = f"{size} {w.name}"
+            assert abs(rep.stock_bytes / peaks["trl_padded"] - 1) < 0.10, where
+            assert abs(rep.packed_bytes / peaks["tree_packed"] - 1) < 0.10, where
+            assert 0.9 <= rep.dfs_bytes / peaks["tree_dfs"] <= 1.6, where
+            checked += 1
+    assert checked >= 15

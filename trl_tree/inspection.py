@@ -245,8 +245,9 @@ def _length_bins(lengths: Sequence[int]) -> dict[str, int]:
 def inspect(seqs: list[list[int]], score_from: list[int], config, model_name: str = "model",
             rows_per_forest: int | None = None, progress: bool = False) -> tuple[Report, list]:
     """The report, and the forests (for a picture)."""
-    from .engine.cost_model import ActivationModel, StepCost, estimate_bytes, step_flops
+    from .engine.cost_model import ActivationModel, StepCost, estimate_bytes, runs_padded, step_flops
     from .engine.forest import PrefixForest
+    from .engine.layout import LAYOUT
 
     if rows_per_forest is not None and rows_per_forest < 1:
         raise InspectError(f"rows_per_forest must be at least 1, got {rows_per_forest}")
@@ -270,9 +271,13 @@ def inspect(seqs: list[list[int]], score_from: list[int], config, model_name: st
         lengths = [len(s) for s in part]
         scored = sum(n - f for n, f in zip(lengths, first))
         stock_flops += step_flops(StepCost(sum(lengths), scored, sum(n * (n + 1) // 2 for n in lengths)), config, True)
-        stock_bytes = max(stock_bytes, model.call(len(part) * max(lengths), scored, True))
-        packed_bytes = max(packed_bytes, estimate_bytes(config, forest.num_unique_tokens, True,
-                                                        head_rows=plan.num_predictions))
+        padded = model.call(len(part) * max(lengths), scored, True)
+        stock_bytes = max(stock_bytes, padded)
+        # what the packed call runs: a forest that shares too little runs as the padded batch (the
+        # no-sharing rule), any other keeps its attention outputs for the recompute by default
+        packed = padded if LAYOUT.dense_unshared_batches and runs_padded(forest) else estimate_bytes(
+            config, forest.num_unique_tokens, True, keep_attention=LAYOUT.keep_attention, head_rows=plan.num_predictions)
+        packed_bytes = max(packed_bytes, packed)
         children = forest.node_num_children
         branching.update(int(c) for c in children[children > 1])
     longest = max(len(s) for s in seqs)
