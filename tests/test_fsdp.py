@@ -24,6 +24,20 @@ pytestmark = pytest.mark.slow  # launches of several processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def launch_fsdp2_check(tmp_path, processes: int = 2, *mode: str, timeout: int = 600):
+    """``tests/fsdp_trainer_check.py`` under ``accelerate launch`` with ``examples/accelerate/fsdp2.yaml``
+    on ``processes`` CPU processes (``mode``: its entry, e.g. ``ppo``), on a tiny checkpoint saved
+    in ``tmp_path``; returns the checkpoint and the finished launch (its exit checked)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
+           os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", str(processes),
+           os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path), *mode]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return checkpoint, done
+
+
 def _worst(result: dict) -> float:
     return max(result["errors"].values())
 
@@ -74,13 +88,7 @@ def test_trainer_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
     import fsdp_trainer_check
     from safetensors.torch import load_file
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
-           os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", "2",
-           os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint, done = launch_fsdp2_check(tmp_path, 2)
     one = torch.load(tmp_path / f"win-{ddp_check.train_window_run(checkpoint, str(tmp_path), 'grpo', None, 'off', 'auto')}"
                      f"-p1_rank0.pt")["params"]
     start = load_file(os.path.join(checkpoint, "model.safetensors"))
@@ -134,13 +142,7 @@ def test_ppo_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
     import ddp_check
     import fsdp_trainer_check
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
-           os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", "2",
-           os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path), "ppo"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint, done = launch_fsdp2_check(tmp_path, 2, "ppo")
     ones = {}
     for critic, mode, window, extra, tag in fsdp_trainer_check.PPO_RUNS:
         if critic not in ones:
@@ -192,13 +194,7 @@ def test_fsdp2_window_that_would_leave_a_rank_idle_runs_the_micro_steps_trees(tm
     import ddp_check
     import fsdp_trainer_check
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
-           os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", "4",
-           os.path.join(ROOT, "tests/fsdp_trainer_check.py"), checkpoint, str(tmp_path), "idle"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint, done = launch_fsdp2_check(tmp_path, 4, "idle", timeout=300)
     assert "without a tree under FSDP2" in done.stderr
     for algo, critic, mode, extra in fsdp_trainer_check.IDLE_RANK_RUNS:
         name = ddp_check.train_window_run(checkpoint, str(tmp_path), algo, critic, "off", "auto", rows=4,

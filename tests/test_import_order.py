@@ -180,5 +180,5 @@ def test_one_engine_module_loads_only_what_it_imports():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded, module = done.stdout.strip().splitlines()
-    assert loaded == "['trl_tree.engine._inputs', 'trl_tree.engine.forest']"
+    assert loaded == "['trl_tree.engine._inputs', 'trl_tree.engine._lazy', 'trl_tree.engine.forest']"
     assert module == "trl_tree.engine.api"

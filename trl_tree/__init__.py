@@ -8,7 +8,7 @@ Every name below is loaded on first use: ``import trl_tree`` (and ``trl-tree --h
 torch, transformers or TRL import until something is asked for.
 """
 
-import importlib
+from .engine._lazy import lazy_exports
 
 #: public name -> the module that defines it
 _LAZY = {
@@ -25,17 +25,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __version__ = "0.1.0"
 

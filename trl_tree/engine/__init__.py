@@ -10,7 +10,7 @@ The public names below load on first use, as the package's own do, so that impor
 module (the forest, the cost model) does not import the rest.
 """
 
-import importlib
+from ._lazy import lazy_exports
 
 #: public name -> the module of this package that defines it
 _LAZY = {
@@ -19,17 +19,6 @@ _LAZY = {
     "TreeOptions": ".options",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [*_LAZY]
