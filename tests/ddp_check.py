@@ -203,12 +203,12 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
 def _trained_state(trainer, algo: str) -> dict:
     """Every trained parameter whole (gathered where FSDP2 shards it: every rank calls this), the
     critic's as ``critic.{i}``."""
-    def whole(p):
-        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    from trl_tree.distributed.fsdp import full_tensor
 
-    params = {n: whole(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    params = {n: full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     if algo == "ppo":
-        params.update({f"critic.{i}": whole(p) for i, p in enumerate(trainer.critic.parameters())})
+        params.update({f"critic.{i}": full_tensor(p).detach().clone()
+                       for i, p in enumerate(trainer.critic.parameters())})
     return params
 
 

@@ -116,8 +116,9 @@ def main_idle(checkpoint: str, out_dir: str) -> None:
 
 def full_parameters(model) -> dict:
     """Every parameter whole (``full_tensor`` gathers a sharded one: a collective every rank makes)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    from trl_tree.distributed.fsdp import full_tensor
+
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def main_offline(out_dir: str) -> None:

@@ -184,7 +184,9 @@ def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tenso
     if optimizer is not None:
         tensors += [t for state in optimizer.state.values() for t in state.values()
                     if torch.is_tensor(t) and t.dim() > 0]
-    norms = [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().norm() for t in tensors]
+    from ..distributed.fsdp import full_tensor
+
+    norms = [full_tensor(t).detach().float().norm() for t in tensors]
     return torch.stack(norms).sum()
 
 

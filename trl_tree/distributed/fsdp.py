@@ -168,16 +168,11 @@ def shard_as_accelerate(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """``model`` sharded the way ``accelerator.prepare`` shards the policy under FSDP2 (its plugin's
     wrap policy, mixed precision, fp32 upcast of trainable low-precision weights), for a model that
     trains beside the policy without being handed to ``prepare`` (a PPO value model: one
-    ``prepare`` takes one model with its optimizer). Then one forward of one token, without a
-    graph, so that FSDP2 initialises the model's root as the root: the engine calls a value
-    model's backbone directly, and the first FSDP2 module to run a forward becomes a root."""
+    ``prepare`` takes one model with its optimizer). Its calls past the root go through
+    :func:`gathered`, which initialises the root first (:func:`init_root`)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    model = fsdp2_prepare_model(accelerator, model)
-    with torch.no_grad():
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=accelerator.device), use_cache=False)
-    resharded(model)
-    return model
+    return fsdp2_prepare_model(accelerator, model)
 
 
 def resharded(model: torch.nn.Module) -> None:

@@ -490,7 +490,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             if self._critic_fsdp_pending:  # FSDP2: the sharded value model's one reduction of the step
                 self._critic_fsdp_pending = False
                 reduce_gradients(self.critic.model, self.accelerator.device)
-            self._reduce_pending(self.model)  # a critic adapter's, after the policy's own reduction
 
     def _critic_params(self) -> list[torch.nn.Parameter]:
         """The critic's trainable parameters that are averaged by hand: all of them under DDP (value
