@@ -205,11 +205,24 @@ def _trained_state(trainer, algo: str) -> dict:
     critic's as ``critic.{i}``."""
     from trl_tree.distributed.fsdp import full_tensor
 
-    params = {n: full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    if algo == "ppo":
-        params.update({f"critic.{i}": full_tensor(p).detach().clone()
-                       for i, p in enumerate(trainer.critic.parameters())})
+    with zero3_whole(trainer.model, *([trainer.critic] if algo == "ppo" else [])):
+        params = {n: full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        if algo == "ppo":
+            params.update({f"critic.{i}": full_tensor(p).detach().clone()
+                           for i, p in enumerate(trainer.critic.parameters())})
     return params
+
+
+def zero3_whole(*modules):
+    """DeepSpeed ZeRO-3's partitioned parameters of ``modules`` gathered whole (a no-op elsewhere)."""
+    import contextlib
+
+    params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def main_sft(out_dir: str) -> None:

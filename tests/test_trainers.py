@@ -318,16 +318,18 @@ def test_grpo_with_cuda_graphs_matches_trl(checkpoint, monkeypatch, mode, bucket
 
 
 @pytest.mark.parametrize("wrapper", ["FSDP", "DEEPSPEED"])
-def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(wrapper):
+def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(wrapper, monkeypatch):
     """tree_cuda_graphs, tree_mode='dfs', tree_token_budget and accumulation windows synchronise
-    gradients themselves, which is done for DDP and FSDP2 (not graphs there); under FSDP1 and
-    DeepSpeed they are refused at construction, with the field to change."""
+    gradients themselves, which is done for DDP, FSDP2 and DeepSpeed (ZeRO 1-3; not graphs under a
+    sharding wrapper); under FSDP1 they are refused at construction, with the field to change, and so
+    is a DeepSpeed too old for the tree's one reduction per step."""
     from types import SimpleNamespace
 
     from trl_tree.data.tiny import tiny_model
+    from trl_tree.distributed import deepspeed as zero
     from trl_tree.trainers.online.mixin import TreeTrainerMixin
 
-    def check(fsdp2=False, zero=2, **fields):
+    def check(fsdp2=False, zero_stage=2, **fields):
         args = SimpleNamespace(**{"tree_mode": "packed", "tree_token_budget": None, "tree_cuda_graphs": False,
                                   "tree_cuda_graph_buckets": False, "tree_attn_backend": "auto", "tree_window": "auto",
                                   "tree_shuffle": "groups", "per_device_train_batch_size": 4,
@@ -335,26 +337,33 @@ def test_sharded_wrappers_are_refused_where_the_tree_averages_gradients_itself(w
                                   "fp16": False, **fields})
         fake = TreeTrainerMixin()  # the mixin's own checks, on a stand-in trainer's fields
         fake.args, fake.model, fake.num_generations = args, tiny_model(), 4
-        plugin = SimpleNamespace(zero_stage=zero) if wrapper == "DEEPSPEED" else None
+        plugin = SimpleNamespace(zero_stage=zero_stage) if wrapper == "DEEPSPEED" else None
         fake.accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=wrapper), num_processes=2,
                                            is_fsdp2=fsdp2, state=SimpleNamespace(deepspeed_plugin=plugin))
         fake._check_tree_support()
         return fake
 
+    monkeypatch.setattr(zero, "missing_support", lambda: None)  # DeepSpeed need not be installed here
     check()  # packed, no budget, no graphs: the wrapper's own backward runs
     with pytest.raises(ValueError, match=f"tree_cuda_graphs .* not {wrapper}"):
         check(tree_cuda_graphs=True)
-    for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}):
-        with pytest.raises(ValueError, match=f"tree_mode='dfs' and tree_token_budget .* not {wrapper}"):
-            check(**fields)
-    with pytest.raises(ValueError, match=f"tree_window='accumulation' .* not {wrapper}"):
-        check(tree_window="accumulation")
-    assert not check()._windows_on()  # 'auto' runs micro-step trees there
-    if wrapper == "DEEPSPEED":  # ZeRO-3's partitioned LM head cannot be scored from its weight
-        with pytest.raises(ValueError, match="ZeRO-3 .* FSDP2"):
-            check(zero=3)
-    if wrapper == "FSDP":  # FSDP2: the engine's backward runs inside trl_tree.distributed.fsdp.gathered
+    if wrapper == "FSDP":  # FSDP1
+        for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}):
+            with pytest.raises(ValueError, match="tree_mode='dfs' and tree_token_budget .* not FSDP1"):
+                check(**fields)
+        with pytest.raises(ValueError, match="tree_window='accumulation' .* not FSDP1"):
+            check(tree_window="accumulation")
+        assert not check()._windows_on()  # 'auto' runs micro-step trees there
+        # FSDP2: the engine's backward runs inside trl_tree.distributed.fsdp.gathered
         for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}, {"tree_window": "accumulation"}):
             assert check(fsdp2=True, **fields)._windows_on() == (fields.get("tree_window") != "micro_step")
         with pytest.raises(ValueError, match="tree_cuda_graphs .* not FSDP"):
             check(fsdp2=True, tree_cuda_graphs=True)
+    else:  # DeepSpeed, every ZeRO stage: gradients kept local and reduced once per step (distributed/deepspeed.py)
+        for stage in (1, 2, 3):
+            for fields in ({"tree_mode": "dfs"}, {"tree_token_budget": 4096}, {"tree_window": "accumulation"}, {}):
+                assert check(zero_stage=stage, **fields)._windows_on()
+        monkeypatch.setattr(zero, "missing_support", lambda: "DeepSpeed 0.16 has no engine.coalesce_grad_reduction")
+        with pytest.raises(ValueError, match="coalesce_grad_reduction.*tree_mode='off'"):
+            check(zero_stage=3)
+        assert check(tree_mode="off") is not None  # stock's path needs nothing of it

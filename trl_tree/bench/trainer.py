@@ -181,13 +181,26 @@ def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tenso
     small learning rate, so equal weights alone do not show that the gradients were averaged; the
     moments hold those gradients."""
     tensors = list(model.parameters())
-    if optimizer is not None:
+    zero3 = [t for t in tensors if hasattr(t, "ds_id")]
+    if zero3:  # DeepSpeed ZeRO-3: each rank holds a partition; gathered whole for the norms (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(zero3):
+            return torch.stack([t.detach().float().norm() for t in tensors]).sum()
+    # DeepSpeed's optimizer state is partitioned over the ranks (ZeRO): the parameters alone there
+    if optimizer is not None and not _deepspeed(optimizer):
         tensors += [t for state in optimizer.state.values() for t in state.values()
                     if torch.is_tensor(t) and t.dim() > 0]
     from ..distributed.fsdp import full_tensor
 
     norms = [full_tensor(t).detach().float().norm() for t in tensors]
     return torch.stack(norms).sum()
+
+
+def _deepspeed(optimizer) -> bool:
+    """Whether ``optimizer`` (Accelerate's wrapper) is DeepSpeed's."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return "DeepSpeed" in type(inner).__name__ or "deepspeed" in type(inner).__module__
 
 
 def _distributed_type(accelerator) -> str:
@@ -454,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             results[mode] |= {"ranks_agree": bool((ranks == ranks[0]).all())}
         if trainer.accelerator.is_main_process:
             print(mode, results[mode], flush=True)
+        if trainer.accelerator.distributed_type.value == "DEEPSPEED":  # its engine outlives the trainer otherwise
+            trainer.accelerator.free_memory()
         del trainer, model
         release_memory()
     if "off" in results and not args.update_check:

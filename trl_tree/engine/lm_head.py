@@ -50,9 +50,21 @@ def score_predictions(
     src = hidden.index_select(0, pred_src).to(weight.device)
     if parts.head_fp32:  # TRL's cast_lm_head_to_fp32: fp32 hidden states and head, autocast off
         with torch.autocast(src.device.type, enabled=False):
-            return _apply(src.float(), weight.float(), bias.float() if bias is not None else None, parts, targets,
-                          temperature, with_entropy)
+            weight, bias = weight.float(), bias.float() if bias is not None else None
+            _zero3_status(parts.lm_head, weight, bias)
+            return _apply(src.float(), weight, bias, parts, targets, temperature, with_entropy)
+    _zero3_status(parts.lm_head, weight, bias)
     return _apply(src, weight, bias, parts, targets, temperature, with_entropy)
+
+
+def _zero3_status(head: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Under DeepSpeed ZeRO-3, TRL's kernel asks each tensor it was handed for its ZeRO-3 status in
+    its backward (``maybe_gather_lm_head_ctx`` reads ``ds_status``), which a detached or cast copy
+    of the head's parameter lacks: the copy says what its parameter says (whole, where the trainers
+    hold the model whole for their tree calls, so the kernel gathers nothing)."""
+    for tensor, param in ((weight, head.weight), (bias, getattr(head, "bias", None))):
+        if tensor is not None and tensor is not param and hasattr(param, "ds_status"):
+            tensor.ds_status = param.ds_status
 
 
 def score_values(hidden: torch.Tensor, value_head: torch.nn.Module, pred_src: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..engine.backward_hooks import before_last_backward
 from ..engine.compile import compile_layers
 from ..engine.api import tree_backward, tree_logprobs
 from ..engine.forest import PrefixForest
+from ..distributed import deepspeed as zero
 from ..distributed.fsdp import gathered, reduce_gradients, root_unsharded
 from ..engine.model_parts import active_dropout, model_parts, trainable_parameters
 from ..engine.packed import takes_padded_path
@@ -57,8 +58,10 @@ class TreeCallsMixin:
         self._tree_fsdp_pending = False  # FSDP2: gradients of the engine's backward await their reduction
         self._check_tree_support()
         # the by-hand gradient average's communicator, made here, where every rank passes at once
-        self._tree_reduce_group = (reduction_group(self.accelerator.device)
-                                   if self.accelerator.num_processes > 1 and not self._fsdp2() else None)
+        self._tree_reduce_group = (reduction_group(self.accelerator.device) if self.accelerator.num_processes > 1
+                                   and not self._fsdp2() and self._zero_stage() is None else None)
+        self._tree_step_reduction: zero.StepReduction | None = None  # DeepSpeed: the step's one reduction
+        self._tree_whole: dict[int, zero.WholeParameters] = {}  # ZeRO-3: engines held whole this micro-step
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
@@ -96,20 +99,15 @@ class TreeCallsMixin:
                 f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
                 "tree_cuda_graphs=False"
             )
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) if self._sharded() else None
-        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            raise ValueError(
-                f"{name}: DeepSpeed ZeRO-3 keeps only a partition of each parameter outside its module's forward, and "
-                "the tree scores the LM head from its weight after the model's forward (TRL's fused head), where "
-                "ZeRO-3 would hand it an empty partition (measured: a non-finite loss). Use FSDP2 "
-                "(examples/accelerate/fsdp2.yaml: every tree mode) or ZeRO-2, or tree_mode='off'"
-            )
+        if self._zero_stage() is not None:
+            why = zero.missing_support()
+            if why is not None:
+                raise ValueError(f"{name}: {why}; or tree_mode='off'")
         two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-        unsupported = self._sharded() and not self._fsdp2()
-        if two_pass and unsupported:
+        if two_pass and self._fsdp1():
             raise ValueError(
                 f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
-                f"gradients themselves, which is done for DDP and FSDP2, not {self._wrapper_name()}; use "
+                f"gradients themselves, which is done for DDP, FSDP2 and DeepSpeed, not {self._wrapper_name()}; use "
                 "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)"
             )
         self._check_trainer_support()
@@ -149,6 +147,64 @@ class TreeCallsMixin:
         """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.distributed.fsdp``
         (parameters gathered once per walk, one reduce per optimizer step)."""
         return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
+
+    def _fsdp1(self) -> bool:
+        """FSDP1: the one wrapper the engine's own backward is not built for."""
+        return self.accelerator.distributed_type.value == "FSDP" and not self._fsdp2()
+
+    def _zero_stage(self) -> int | None:
+        """The DeepSpeed ZeRO stage; None when DeepSpeed is not in use."""
+        return zero.deepspeed_stage(self.accelerator)
+
+    # ------------------------------------------------------------------ DeepSpeed
+    def _deepspeed_step_begins(self) -> None:
+        """At each micro-step of a tree run under DeepSpeed (``trl_tree.distributed.deepspeed``):
+        Accelerate's wrapper no longer steps in ``backward`` and the step's gradients stay local
+        until :meth:`_deepspeed_micro_step_ends` reduces them once."""
+        if self._zero_stage() is None or self.args.tree_mode == "off":
+            return
+        zero.defer_steps(self.accelerator)
+        if self._tree_step_reduction is None:
+            self._tree_step_reduction = zero.StepReduction(self.accelerator.deepspeed_engine_wrapped.engine)
+        self._tree_step_reduction.start()
+
+    def _deepspeed_micro_step_ends(self) -> None:
+        """The end of a micro-step under DeepSpeed, after its last tree backward: ZeRO-3's whole
+        parameters partitioned again; at the optimizer step's last micro-step, the one reduction
+        and ``engine.step()``."""
+        for holder in self._tree_whole.values():
+            holder.release()
+        reduction = self._tree_step_reduction
+        if reduction is not None and self.accelerator.sync_gradients:
+            reduction.finish()
+
+    def _deepspeed_engine_of(self, model):
+        """The DeepSpeed engine that holds ``model`` (the policy's, a reference model's), or None."""
+        if zero.is_engine(model):
+            return model
+        for candidate in (getattr(self, "model_wrapped", None), getattr(self, "deepspeed", None),
+                          getattr(self, "ref_model", None)):
+            if zero.is_engine(candidate) and candidate.module is model:
+                return candidate
+        return None
+
+    @contextlib.contextmanager
+    def _whole(self, model):
+        """ZeRO-3: ``model``'s parameters whole (``WholeParameters``) for the tree calls inside; kept
+        until the micro-step ends where the calls build a graph (its backward reads them), given back
+        at the end otherwise. Every rank enters it at the same calls: gathering is collective."""
+        engine = self._deepspeed_engine_of(model) if self._zero_stage() == 3 else None
+        if engine is None:
+            yield
+            return
+        holder = self._tree_whole.setdefault(id(engine), zero.WholeParameters(engine))
+        was_held = holder.held
+        holder.hold()
+        try:
+            yield
+        finally:
+            if not was_held and not torch.is_grad_enabled():
+                holder.release()
 
     def _past_ddp(self, model):
         """The model a stock loss calls for the policy's fused head: with the two-pass backward (dfs,
@@ -285,7 +341,7 @@ class TreeCallsMixin:
             kwargs["options"] = kwargs["options"].replace(cuda_graphs=False)
         keep_root = root_unsharded(model, reshard_after=no_graph or not torch.is_grad_enabled()) if self._fsdp2() \
             else contextlib.nullcontext()
-        with torch.no_grad() if no_graph else contextlib.nullcontext(), keep_root:
+        with self._whole(model), torch.no_grad() if no_graph else contextlib.nullcontext(), keep_root:
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
                                     score_from=rows.subset(call)[1], router=router, value_head=value_head,
@@ -317,7 +373,7 @@ class TreeCallsMixin:
         two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
         call_kwargs = self._call_kwargs(rope_length)
         router = self._router() if aux_loss else None
-        with self.accelerator.autocast():
+        with self._whole(model), self.accelerator.autocast():
             logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
                                                     router, call_kwargs, head_outputs=head_outputs)
         extra = self._tree_head_outputs
@@ -396,7 +452,7 @@ class TreeCallsMixin:
         # backward, which the reduction is, cannot run there
         reduce_here = final and (self.accelerator.sync_gradients if closes_step is None else closes_step) \
             and fsdp2 and torch.is_grad_enabled()
-        with self.accelerator.autocast(), gathered(model) if fsdp2 else contextlib.nullcontext():
+        with self._whole(model), self.accelerator.autocast(), gathered(model) if fsdp2 else contextlib.nullcontext():
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 with self._arming(model, final and i == len(calls) - 1, closes_step=closes_step):
@@ -430,7 +486,7 @@ class TreeCallsMixin:
         25 MiB by default); None on one process, for no ``params``, and under FSDP2 for a model (whose
         reduction is ``trl_tree.distributed.fsdp``'s; ``params`` there: what stays whole beside it)."""
         if self.accelerator.num_processes == 1 or (self._fsdp2() and params is None) or (
-                params is not None and not params):
+                params is not None and not params) or self._zero_stage() is not None:
             return None
         averagers = self.__dict__.setdefault("_tree_averagers", {})
         key = id(model)
@@ -474,7 +530,7 @@ class TreeCallsMixin:
         Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.distributed.fsdp.gathered``);
         their one reduction ran with the step's closing calls (``_walk_calls``), or runs in
         ``training_step`` (``_reduce_pending``), outside autograd's backward."""
-        if self._fsdp2():
+        if self._fsdp2() or self._zero_stage() is not None:  # DeepSpeed: the step's reduction (StepReduction)
             return
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
@@ -530,9 +586,11 @@ class TreeCallsMixin:
         reduction (FSDP2), timed (``_add_step_time``); with ``tree_mode='off'`` T/U is logged as 1.0,
         so the ``tree/`` columns of a stock run line up with a tree run's."""
         started = time.perf_counter()
+        self._deepspeed_step_begins()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._reduce_pending(model)
         self._after_backward(model)
+        self._deepspeed_micro_step_ends()
         if self.args.tree_mode == "off":
             self._metrics["train"]["tree/dedup_ratio"].append(1.0)
         self._add_step_time(started, loss, self.accelerator.sync_gradients)

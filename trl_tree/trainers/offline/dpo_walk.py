@@ -110,6 +110,8 @@ def _gradient_scale(trainer, num_items_in_batch) -> float:
         scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
             trainer.compute_loss_func is not None)
     scale = 1.0 if scaled else 1.0 / trainer.current_gradient_accumulation_steps
+    if trainer.accelerator.distributed_type.value == "DEEPSPEED":  # Accelerate leaves it to DeepSpeed, which
+        return scale  # the Trainer tells not to scale (scale_wrt_gas=False)
     return scale / trainer.accelerator.gradient_accumulation_steps
 
 

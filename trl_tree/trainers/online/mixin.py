@@ -81,11 +81,10 @@ class TreeTrainerMixin(TreeCallsMixin):
         """Online RL's own refusals: windows the wrapper cannot run, batch sizes that cut prompt
         groups; then the shuffle it will use, said once."""
         name = type(self).__name__
-        unsupported = self._sharded() and not self._fsdp2()
-        if self.args.tree_window == "accumulation" and unsupported:
+        if self.args.tree_window == "accumulation" and self._fsdp1():
             raise ValueError(
                 f"{name}: tree_window='accumulation' runs the window's backward inside the engine and synchronises "
-                f"the gradients itself, which is done for DDP and FSDP2, not {self._wrapper_name()}; use "
+                f"the gradients itself, which is done for DDP, FSDP2 and DeepSpeed, not {self._wrapper_name()}; use "
                 "tree_window='micro_step' (or 'auto', which uses it there), or FSDP2 (fsdp_version: 2)"
             )
         self._check_whole_groups()
@@ -93,7 +92,7 @@ class TreeTrainerMixin(TreeCallsMixin):
 
     def _windows_on(self) -> bool:
         return (self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
-                and (not self._sharded() or self._fsdp2()) and not getattr(self, "_tree_window_fallback", False))
+                and not self._fsdp1() and not getattr(self, "_tree_window_fallback", False))
 
     def _window_misfit(self, why: str) -> None:
         """A batch layout accumulation windows cannot hold: an error under ``tree_window='accumulation'``;
@@ -264,6 +263,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._tree_prepare_seconds = 0.0
         self._tree_sync_pending = False
         start = time.perf_counter()
+        self._deepspeed_step_begins()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._close_window(model)
         self._reduce_pending(model)
@@ -274,6 +274,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._sync_other_gradients()
         if self.args.tree_mode != "off":
             self._check_finite(model, loss)
+        self._deepspeed_micro_step_ends()
         self._add_step_time(start, loss, self._step % self.current_gradient_accumulation_steps == 0,
                             self._tree_prepare_seconds)
         return loss
@@ -410,6 +411,14 @@ class TreeTrainerMixin(TreeCallsMixin):
         present = sorted(k for k, v in multimodal.items() if v is not None)
         if present:
             raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
+        with self._whole(model):  # ZeRO-3: every rank holds the model whole for its tree calls
+            return self._tree_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                  compute_entropy, compute_aux_loss)
+
+    def _tree_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                  compute_entropy, compute_aux_loss):
+        """``_get_per_token_logps_and_entropies`` through the tree: a window's, placed over the ranks,
+        or the micro-batch's own calls."""
         differentiable = torch.is_grad_enabled()
         if differentiable and self.model.training:
             window, micro = self._window_for(input_ids, attention_mask, logits_to_keep, allowed=not compute_aux_loss)

@@ -1,0 +1,106 @@
+"""Run under ``accelerate launch`` with a DeepSpeed config and 2 CPU processes (tests/test_deepspeed.py
+does): every tree trainer under ZeRO-2 or ZeRO-3 — DeepSpeed's own engine, optimizer and reduction
+over gloo (its CPU accelerator) — on the fixed rollouts and data the DDP checks use.
+
+``deepspeed_check.py CHECKPOINT SFT_CHECKPOINT OUT`` runs GRPO (untreed, packed, packed under a token budget, dfs;
+per micro-step and in accumulation windows), then SFT and DPO (stock and the tree's modes), and
+writes each rank's trained parameters (gathered whole under ZeRO-3) and how many times the
+engine's one-per-step reduction ran (``flushes``). Under ZeRO-3 the test's config sets the
+parameter persistence threshold to 0, so that even the tiny model's parameters are partitioned.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ddp_check  # noqa: E402
+
+#: GRPO: (tree_mode, tree_window, extra config, tag)
+GRPO_RUNS = (
+    ("off", "auto", {}, ""),
+    ("packed", "micro_step", {}, ""),
+    ("packed", "micro_step", {"tree_token_budget": 30}, "budget"),
+    ("dfs", "micro_step", {}, ""),
+    ("packed", "accumulation", {}, ""),
+    ("dfs", "accumulation", {}, ""),
+)
+
+
+def count_flushes() -> dict:
+    """Count the step reductions DeepSpeed's ``coalesce_grad_reduction`` runs (its flush at the
+    block's exit): one per optimizer step where the tree keeps the gradients local."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    counts = {"flushes": 0}
+    for name in ("_flush_coalesced_reduction_zero12", "_flush_coalesced_reduction_zero3"):
+        original = getattr(DeepSpeedEngine, name)
+
+        def counted(self, optimizer, _original=original):
+            counts["flushes"] += 1
+            return _original(self, optimizer)
+
+        setattr(DeepSpeedEngine, name, counted)
+    return counts
+
+
+def main_grpo(checkpoint: str, out_dir: str, counts: dict) -> None:
+    for mode, window, extra, tag in GRPO_RUNS:
+        before = counts["flushes"]
+        run = ddp_check.train_window_run(checkpoint, out_dir, "grpo", None, mode, window, tag=tag, **extra)
+        torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
+
+
+def _save(trainer, out_dir: str, run: str, counts: dict, before: int) -> None:
+    with ddp_check.zero3_whole(trainer.model):
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    params["flushes"] = torch.tensor(counts["flushes"] - before)
+    torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
+
+
+def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
+    """SFT (stock, packed, dfs) and DPO (stock, packed, dfs) under the launch's DeepSpeed config, from
+    ``checkpoint`` (``sft_harness.save_sft_checkpoint``; saved before the launch: under ZeRO-3 a model
+    built on one rank alone would wait in ``zero.Init``'s collectives for the others)."""
+    from sft_harness import dataset, sft_tokenizer
+    from test_dpo_trainer import pairs
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from trl_tree import TreeDPOConfig, TreeDPOTrainer, TreeSFTConfig, TreeSFTTrainer
+
+    common = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=0.5, optim="sgd",
+                  max_steps=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+                  disable_tqdm=True, gradient_checkpointing=False)
+    runs = {"sft_stock": (SFTTrainer, SFTConfig, {}), "sft_packed": (TreeSFTTrainer, TreeSFTConfig, {}),
+            "sft_dfs": (TreeSFTTrainer, TreeSFTConfig, {"tree_mode": "dfs"})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
+        before = counts["flushes"]
+        args = config_cls(output_dir=os.path.join(out_dir, run), **common, **tree)
+        # from the path, inside the trainer: under ZeRO-3 the weights load partitioned (zero3_init_flag)
+        trainer = trainer_cls(model=checkpoint, args=args, train_dataset=dataset("turns", n=6),
+                              processing_class=sft_tokenizer())
+        trainer.train()
+        _save(trainer, out_dir, run, counts, before)
+    runs = {"dpo_stock": (DPOTrainer, DPOConfig, {}), "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
+            "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs", "tree_memory_budget": 1 << 30})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
+        before = counts["flushes"]
+        args = config_cls(output_dir=os.path.join(out_dir, run), **{**common, "per_device_train_batch_size": 2},
+                          model_init_kwargs={"dtype": torch.float32}, **tree)
+        ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        trainer = trainer_cls(model=checkpoint, ref_model=ref, args=args, train_dataset=pairs(8),
+                              processing_class=sft_tokenizer())
+        trainer.train()
+        _save(trainer, out_dir, run, counts, before)
+
+
+if __name__ == "__main__":
+    checkpoint, sft_checkpoint, out_dir = sys.argv[1:4]
+    parts = sys.argv[4:] or ["grpo", "offline"]
+    counts = count_flushes()
+    if "grpo" in parts:
+        main_grpo(checkpoint, out_dir, counts)
+    if "offline" in parts:
+        main_offline(sft_checkpoint, out_dir, counts)

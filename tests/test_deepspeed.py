@@ -1,0 +1,107 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 on two CPU processes (DeepSpeed's CPU accelerator over gloo): every
+tree mode of GRPO (per micro-step, under a token budget, in accumulation windows), SFT and DPO trains
+the update one process trains (GRPO, fp64 weights under DeepSpeed's fp32 master copy) or stock's
+under the same DeepSpeed config (SFT, DPO), the ranks agree, and the gradients are reduced once per
+optimizer step (``trl_tree/distributed/deepspeed.py``). Under ZeRO-3 the parameter persistence
+threshold is 0, so the tiny model's parameters are partitioned as a large model's are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import free_port
+from sft_harness import save_sft_checkpoint
+from trainer_harness import save_tiny_checkpoint
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # launches of several processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = ("off-auto", "packed-micro_step", "packed-micro_step-budget", "dfs-micro_step", "packed-accumulation",
+        "dfs-accumulation")
+
+
+def zero_config(tmp_path, stage: int) -> str:
+    """An Accelerate config for DeepSpeed ZeRO-``stage`` on 2 processes; ZeRO-3 partitions every
+    parameter (persistence threshold 0, no prefetch)."""
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    ds = {"zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
+    (tmp_path / f"zero{stage}.json").write_text(json.dumps(ds))
+    config = tmp_path / f"zero{stage}.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"  deepspeed_config_file: {tmp_path / f'zero{stage}.json'}\n  zero3_init_flag: {stage == 3}\n"
+                      "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+    return str(config)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """GRPO's runs on one process, no DeepSpeed: the update the launches must give."""
+    out = tmp_path_factory.mktemp("one")
+    checkpoint = save_tiny_checkpoint(out / "tiny")
+    save_sft_checkpoint(out / "sft_tiny")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    code = ("import sys; sys.path.insert(0, 'tests'); import ddp_check, deepspeed_check\n"
+            "for mode, window, extra, tag in deepspeed_check.GRPO_RUNS:\n"
+            f"    ddp_check.train_window_run({checkpoint!r}, {str(out)!r}, 'grpo', None, mode, window, tag=tag, **extra)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, checkpoint, str(out / "sft_tiny")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def launched(request, reference, tmp_path_factory):
+    """One launch of ``deepspeed_check.py`` under ZeRO-2 or ZeRO-3; its output directory."""
+    out = tmp_path_factory.mktemp(f"zero{request.param}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--config_file", zero_config(out, request.param), os.path.join(ROOT, "tests/deepspeed_check.py"),
+           reference[1], reference[2], str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return request.param, out, reference[0]
+
+
+def _worst(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def test_grpo_every_tree_mode_under_zero_trains_the_one_process_update(launched):
+    stage, out, one = launched
+    for run in GRPO:
+        ref = torch.load(one / f"win-grpo-{run}-p1_rank0.pt")
+        ranks = [torch.load(out / f"win-grpo-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        assert ranks[0]["distributed_type"] == "DEEPSPEED"
+        assert _worst(ranks[0]["params"], ranks[1]["params"]) == 0.0, f"ZeRO-{stage} {run}: the ranks disagree"
+        update = _worst(ref["params"], ref["start"])
+        # DeepSpeed steps an fp32 master copy of the fp64 weights: stock's own error is that rounding
+        assert _worst(ranks[0]["params"], ref["params"]) <= 1e-4 * update, f"ZeRO-{stage} {run}"
+        flushes = torch.load(out / f"flushes-grpo-{run}.pt")["flushes"]
+        # the tree's gradients stay local through the step and are reduced once per optimizer step (2);
+        # stock (tree_mode='off') reduces in DeepSpeed's own hooks
+        assert flushes == (0 if run == "off-auto" else 2), f"ZeRO-{stage} {run}: {flushes} reductions"
+    metrics = torch.load(out / "win-grpo-dfs-accumulation-p2_rank0.pt")["metrics"]
+    assert metrics["tree/dedup_ratio"][0] > 1.5 and "tree/rank_imbalance" in metrics, "no window ran"
+
+
+@pytest.mark.parametrize("family", ["sft", "dpo"])
+def test_offline_trainers_under_zero_train_stock_update(launched, family):
+    stage, out, _ = launched
+    stock = torch.load(out / f"{family}_stock_rank0.pt")
+    for mode in ("packed", "dfs"):
+        ranks = [torch.load(out / f"{family}_{mode}_rank{r}.pt") for r in (0, 1)]
+        flushes = int(ranks[0].pop("flushes"))
+        ranks[1].pop("flushes")
+        assert flushes == 2, f"ZeRO-{stage} {family} {mode}: {flushes} reductions for 2 optimizer steps"
+        assert _worst(ranks[0], ranks[1]) == 0.0, f"ZeRO-{stage} {family} {mode}: the ranks disagree"
+        worst = max((ranks[0][k].double() - stock[k].double()).abs().max().item() for k in ranks[0])
+        assert worst <= 1e-5, f"ZeRO-{stage} {family} {mode} differs from stock by {worst:.2e}"

@@ -1,0 +1,172 @@
+"""DeepSpeed ZeRO (stages 1-3) around the engine's own backward: gradients kept local through an
+optimizer step and reduced once; under ZeRO-3 the parameters held whole through a micro-step's
+tree calls.
+
+Why: DeepSpeed reduces each parameter's gradient from a hook on its accumulation, once per
+``engine.backward`` — ZeRO-2 asserts that no parameter's gradient arrives twice in one backward.
+The engine's walk (dfs), calls cut by a token budget and an accumulation window's trees deliver a
+parameter's gradient many times per micro-step, some of them outside ``engine.backward`` (a
+one-pass call scores and differentiates in the loss's forward; a window's backward runs after the
+micro-step's). And under ZeRO-3 a parameter is whole only inside its module's forward and
+backward hooks, while the tree reads weights outside them (the fused LM head reads the head's
+weight after the trunk; the walk calls layers in its own order, many times).
+
+So, for a tree trainer under DeepSpeed:
+
+* :class:`StepReduction` keeps the gradients local from an optimizer step's first micro-step to
+  its last, through DeepSpeed's own ``engine.coalesce_grad_reduction`` (its hooks skip the
+  reduction; the block's exit runs one reduction pass over what accumulated) — the step's one
+  reduction, as DDP's ``no_sync`` accumulation gives; then ``engine.step()``.
+  :class:`DeferredStepEngine` is Accelerate's ``DeepSpeedEngineWrapper`` without the step in its
+  ``backward``: the trainer steps after the step's last tree backward (a window's runs after the
+  micro-step's own backward).
+* :class:`WholeParameters` (ZeRO-3) gathers every parameter of an engine's module once, with the
+  engine's module hooks removed meanwhile — TRL's way for generation
+  (``trl.models.utils.remove_hooks``/``add_hooks``) — and partitions them again when the
+  micro-step's backward is done; the gradients stay whole on the parameters until the step's
+  reduction. The price is the whole model in memory during the micro-step (2 bytes per parameter
+  in bf16) plus its whole gradients through the step, the same price the FSDP2 path pays
+  (``fsdp.py``).
+
+Both need DeepSpeed's ``coalesce_grad_reduction`` (0.19.8 has it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def deepspeed_stage(accelerator) -> int | None:
+    """The ZeRO stage of an Accelerate run under DeepSpeed; None under anything else."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(getattr(plugin, "zero_stage", 0) or 0) if plugin is not None else 0
+
+
+def missing_support() -> str | None:
+    """Why the installed DeepSpeed cannot run the tree's reduction (None: it can)."""
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed launch without DeepSpeed fails earlier
+        return "DeepSpeed is not installed"
+    if not hasattr(DeepSpeedEngine, "coalesce_grad_reduction"):
+        import deepspeed
+
+        return (f"DeepSpeed {deepspeed.__version__} has no engine.coalesce_grad_reduction, which keeps the tree's "
+                "gradients local until the step's one reduction; install deepspeed>=0.19.8")
+    return None
+
+
+def is_engine(model) -> bool:
+    """Whether ``model`` is a ``DeepSpeedEngine`` (without importing DeepSpeed where it is absent)."""
+    return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
+
+
+def _accelerate_wrapper():
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    return DeepSpeedEngineWrapper
+
+
+class DeferredStepEngine:
+    """Accelerate's ``DeepSpeedEngineWrapper`` whose ``backward`` does not step: ``engine.step()``
+    runs where the trainer calls :meth:`StepReduction.finish`, after the step's last tree backward.
+    Made by :func:`defer_steps` (a subclass of Accelerate's class, built on first use)."""
+
+
+def defer_steps(accelerator) -> None:
+    """Swap the accelerator's DeepSpeed wrapper for one whose ``backward`` leaves the step to the
+    trainer (:class:`StepReduction`); once, after ``accelerator.prepare`` made it."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None or getattr(wrapped, "defers_step", False):
+        return
+    base = _accelerate_wrapper()
+
+    class _Deferred(base):
+        defers_step = True
+
+        def backward(self, loss, sync_gradients=True, **kwargs):
+            self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+            self.engine.backward(loss, **kwargs)
+
+    accelerator.deepspeed_engine_wrapped = _Deferred(wrapped.engine)
+
+
+class StepReduction:
+    """One optimizer step's gradients kept local on an engine's parameters and reduced once
+    (``engine.coalesce_grad_reduction``, held open from the step's first micro-step to its last)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._block = None
+
+    @property
+    def open(self) -> bool:
+        return self._block is not None
+
+    def start(self) -> None:
+        """Keep the gradients local from here on (idempotent within a step)."""
+        if self._block is None:
+            self._block = self.engine.coalesce_grad_reduction()
+            self._block.__enter__()
+
+    def finish(self, step: bool = True) -> None:
+        """The step's one reduction — every rank reduces every trainable parameter (zeros where a
+        rank computed no gradient: a window may give it no tree), so that the ranks' collectives
+        are the same — then ``engine.step()`` (clipping, the optimizer, zeroing, the scheduler)."""
+        if self._block is None:
+            return
+        optimizer = self.engine.optimizer
+        for param in self.engine.module.parameters():
+            if param.requires_grad and _local_grad(optimizer, param) is None:
+                shape = getattr(param, "ds_shape", param.shape)
+                param.grad = torch.zeros(shape, dtype=param.dtype, device=self.engine.device)
+        if getattr(optimizer, "use_grad_accum_attribute", False):
+            optimizer.fill_grad_accum_attribute()  # ZeRO-1's fp32 accumulation reads grad_accum
+        block, self._block = self._block, None
+        block.__exit__(None, None, None)
+        if step:
+            self.engine.set_gradient_accumulation_boundary(is_boundary=True)
+            self.engine.step()
+
+
+def _local_grad(optimizer, param):
+    getter = getattr(optimizer, "get_gradient_for_reduction", None)
+    grad = getter(param) if getter is not None else None
+    return grad if grad is not None else param.grad
+
+
+class WholeParameters:
+    """ZeRO-3: every parameter of an engine's module gathered once and its module hooks removed,
+    until :meth:`release` (re-entrant: nested holds of the same engine gather once)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._gathered = None
+
+    @property
+    def held(self) -> bool:
+        return self._gathered is not None
+
+    def hold(self) -> None:
+        if self._gathered is not None:
+            return
+        import deepspeed
+        from trl.models.utils import remove_hooks
+
+        gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
+        gathered.__enter__()
+        self._gathered = gathered
+        remove_hooks(self.engine)
+
+    def release(self) -> None:
+        """Partition the parameters again (their gradients stay whole until the step's reduction)
+        and put the engine's hooks back."""
+        if self._gathered is None:
+            return
+        from trl.models.utils import add_hooks
+
+        gathered, self._gathered = self._gathered, None
+        gathered.__exit__(None, None, None)
+        add_hooks(self.engine)
