@@ -169,14 +169,22 @@ class TreeCallsMixin:
         self._tree_step_reduction.start()
 
     def _deepspeed_micro_step_ends(self) -> None:
-        """The end of a micro-step under DeepSpeed, after its last tree backward: ZeRO-3's whole
-        parameters partitioned again; at the optimizer step's last micro-step, the one reduction
-        and ``engine.step()``."""
+        """The end of a micro-step under DeepSpeed, after its last tree backward; at the optimizer
+        step's last: ZeRO-3's whole parameters partitioned again (held through the step's micro-steps,
+        so gathered once per step, not once per micro-step), then the one reduction and
+        ``engine.step()``."""
+        if not self.accelerator.sync_gradients:
+            return
+        self._release_whole()
+        reduction = self._tree_step_reduction
+        if reduction is not None:
+            reduction.finish()
+
+    def _release_whole(self) -> None:
+        """ZeRO-3: partition again what the tree held whole (at the step's end; before TRL gathers the
+        parameters its own way, for generation)."""
         for holder in self._tree_whole.values():
             holder.release()
-        reduction = self._tree_step_reduction
-        if reduction is not None and self.accelerator.sync_gradients:
-            reduction.finish()
 
     def _deepspeed_engine_of(self, model):
         """The DeepSpeed engine that holds ``model`` (the policy's, a reference model's), or None."""
@@ -191,8 +199,9 @@ class TreeCallsMixin:
     @contextlib.contextmanager
     def _whole(self, model):
         """ZeRO-3: ``model``'s parameters whole (``WholeParameters``) for the tree calls inside; kept
-        until the micro-step ends where the calls build a graph (its backward reads them), given back
-        at the end otherwise. Every rank enters it at the same calls: gathering is collective."""
+        until the optimizer step ends where the calls build a graph (its backward reads them, and the
+        step's later micro-steps call the model again), given back at the end otherwise. Every rank
+        enters it at the same calls: gathering is collective."""
         engine = self._deepspeed_engine_of(model) if self._zero_stage() == 3 else None
         if engine is None:
             yield

@@ -231,10 +231,13 @@ class TreeTrainerMixin(TreeCallsMixin):
         """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
         start = time.perf_counter()
         try:
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            generates = self._step % generate_every == 0 or self._buffered_inputs is None
+            if generates:
+                self._release_whole()  # ZeRO-3: TRL's generation gathers the parameters its own way
             if not self._regroups():
                 return super()._prepare_inputs(generation_batch)
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            if self._step % generate_every == 0 or self._buffered_inputs is None:
+            if generates:
                 batch = self._generate_and_score_completions(generation_batch)
                 if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
                     raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
