@@ -5,7 +5,8 @@ over gloo (its CPU accelerator) — on the fixed rollouts and data the DDP check
 ``deepspeed_check.py CHECKPOINT SFT_CHECKPOINT OUT`` runs GRPO (untreed, packed, packed under a token budget, dfs;
 per micro-step and in accumulation windows), then SFT and DPO (stock and the tree's modes), and
 writes each rank's trained parameters (gathered whole under ZeRO-3) and how many times the
-engine's one-per-step reduction ran (``flushes``). Under ZeRO-3 the test's config sets the
+engine's one-per-step reduction ran (``flushes``). ``... idle`` (on four processes): windows that
+leave ranks without a tree. Under ZeRO-3 the test's config sets the
 parameter persistence threshold to 0, so that even the tiny model's parameters are partitioned.
 """
 
@@ -26,6 +27,16 @@ GRPO_RUNS = (
     ("packed", "accumulation", {}, ""),
     ("dfs", "accumulation", {}, ""),
 )
+
+
+#: a window that leaves ranks without a tree (4 rows, one group, on 4 processes): (tree_mode, tag)
+IDLE_RUNS = (("dfs", "idle"), ("packed", "idle"))
+
+
+def main_idle(checkpoint: str, out_dir: str) -> None:
+    for mode, tag in IDLE_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, "grpo", None, mode, "accumulation", tag=tag, rows=4,
+                                   gradient_accumulation_steps=1)
 
 
 def count_flushes() -> dict:
@@ -104,3 +115,5 @@ if __name__ == "__main__":
         main_grpo(checkpoint, out_dir, counts)
     if "offline" in parts:
         main_offline(sft_checkpoint, out_dir, counts)
+    if "idle" in parts:
+        main_idle(checkpoint, out_dir)

@@ -26,9 +26,9 @@ GRPO = ("off-auto", "packed-micro_step", "packed-micro_step-budget", "dfs-micro_
         "dfs-accumulation")
 
 
-def zero_config(tmp_path, stage: int) -> str:
-    """An Accelerate config for DeepSpeed ZeRO-``stage`` on 2 processes; ZeRO-3 partitions every
-    parameter (persistence threshold 0, no prefetch)."""
+def zero_config(tmp_path, stage: int, processes: int = 2) -> str:
+    """An Accelerate config for DeepSpeed ZeRO-``stage`` on ``processes`` processes; ZeRO-3 partitions
+    every parameter (persistence threshold 0, no prefetch)."""
     zero = {"stage": stage}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
@@ -38,7 +38,7 @@ def zero_config(tmp_path, stage: int) -> str:
     config = tmp_path / f"zero{stage}.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
                       f"  deepspeed_config_file: {tmp_path / f'zero{stage}.json'}\n  zero3_init_flag: {stage == 3}\n"
-                      "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+                      f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\n")
     return str(config)
 
 
@@ -51,7 +51,8 @@ def reference(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     code = ("import sys; sys.path.insert(0, 'tests'); import ddp_check, deepspeed_check\n"
             "for mode, window, extra, tag in deepspeed_check.GRPO_RUNS:\n"
-            f"    ddp_check.train_window_run({checkpoint!r}, {str(out)!r}, 'grpo', None, mode, window, tag=tag, **extra)")
+            f"    ddp_check.train_window_run({checkpoint!r}, {str(out)!r}, 'grpo', None, mode, window, tag=tag, **extra)\n"
+            f"deepspeed_check.main_idle({checkpoint!r}, {str(out)!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -119,3 +120,25 @@ def test_examples_run_under_the_shipped_deepspeed_configs(stage, example):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "processes 2" in done.stdout, done.stdout[-2000:]
+
+
+def test_zero3_window_that_leaves_ranks_without_a_tree(reference, tmp_path):
+    """Four processes, one prompt group per optimizer step: a window gives the tree to one rank and
+    none to the others. Under ZeRO-3 the owners alone call the model, so nothing in those calls may
+    be collective (ZeRO-3's start-of-forward hook checks the ranks' step with one: it is removed
+    while the model is held whole); every rank reduces, zeros where it has no gradient. The update
+    is one process's."""
+    one, checkpoint, _ = reference
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--config_file", zero_config(tmp_path, 3, processes=4), os.path.join(ROOT, "tests/deepspeed_check.py"),
+           checkpoint, "-", str(tmp_path), "idle"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for mode in ("dfs", "packed"):
+        ref = torch.load(one / f"win-grpo-{mode}-accumulation-idle-p1_rank0.pt")
+        update = _worst(ref["params"], ref["start"])
+        for rank in range(4):
+            run = torch.load(tmp_path / f"win-grpo-{mode}-accumulation-idle-p4_rank{rank}.pt")
+            assert run["metrics"]["tree/rank_imbalance"][0] >= 2.0, "every rank had a tree: nothing was idle"
+            assert _worst(run["params"], ref["params"]) <= 1e-4 * update, f"{mode}, rank {rank}"

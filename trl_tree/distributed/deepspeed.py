@@ -111,17 +111,25 @@ class StepReduction:
             self._block = self.engine.coalesce_grad_reduction()
             self._block.__enter__()
 
-    def finish(self, step: bool = True) -> None:
-        """The step's one reduction — every rank reduces every trainable parameter (zeros where a
-        rank computed no gradient: a window may give it no tree), so that the ranks' collectives
-        are the same — then ``engine.step()`` (clipping, the optimizer, zeroing, the scheduler)."""
+    def fill_missing(self) -> None:
+        """Zeros for every trainable parameter this rank computed no gradient for (a window may give
+        it no tree), so that every rank reduces the same parameters — its collectives the same.
+        Under ZeRO-3, while the model is held whole (:class:`WholeParameters`): a gradient is
+        whole-sized, and a partitioned parameter takes none."""
         if self._block is None:
             return
         optimizer = self.engine.optimizer
         for param in self.engine.module.parameters():
             if param.requires_grad and _local_grad(optimizer, param) is None:
-                shape = getattr(param, "ds_shape", param.shape)
-                param.grad = torch.zeros(shape, dtype=param.dtype, device=self.engine.device)
+                param.grad = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=param.dtype,
+                                         device=self.engine.device)
+
+    def finish(self, step: bool = True) -> None:
+        """The step's one reduction (after :meth:`fill_missing`), then ``engine.step()`` (clipping,
+        the optimizer, zeroing, the scheduler)."""
+        if self._block is None:
+            return
+        optimizer = self.engine.optimizer
         if getattr(optimizer, "use_grad_accum_attribute", False):
             optimizer.fill_grad_accum_attribute()  # ZeRO-1's fp32 accumulation reads grad_accum
         block, self._block = self._block, None
@@ -144,6 +152,7 @@ class WholeParameters:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._gathered = None
+        self._start_hook = None
 
     @property
     def held(self) -> bool:
@@ -159,6 +168,7 @@ class WholeParameters:
         gathered.__enter__()
         self._gathered = gathered
         remove_hooks(self.engine)
+        self._start_hook = _take_start_hook(self.engine)
 
     def release(self) -> None:
         """Partition the parameters again (their gradients stay whole until the step's reduction)
@@ -170,3 +180,23 @@ class WholeParameters:
         gathered, self._gathered = self._gathered, None
         gathered.__exit__(None, None, None)
         add_hooks(self.engine)
+        if self._start_hook is not None:
+            offload, hook = self._start_hook
+            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(hook)
+            self._start_hook = None
+
+
+def _take_start_hook(engine):
+    """Remove ZeRO-3's start-of-forward hook from the engine's module (TRL's ``remove_hooks`` leaves
+    it): it resets the parameter coordinator's step with a collective check that the ranks agree,
+    and a window calls the model on the trees' owners only, so the ranks' collectives would differ
+    (measured: four ranks, three without a tree, waiting for ever). Returns ``(offload, hook)`` to
+    register again, or None."""
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    handle = getattr(offload, "fwd_pre_hook", None)
+    if handle is None:
+        return None
+    hook = offload.module._forward_pre_hooks.get(handle.id)
+    handle.remove()
+    return (offload, hook) if hook is not None else None

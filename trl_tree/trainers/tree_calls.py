@@ -175,8 +175,10 @@ class TreeCallsMixin:
         ``engine.step()``."""
         if not self.accelerator.sync_gradients:
             return
-        self._release_whole()
         reduction = self._tree_step_reduction
+        if reduction is not None:
+            reduction.fill_missing()  # before the release: ZeRO-3's gradients are whole-sized
+        self._release_whole()
         if reduction is not None:
             reduction.finish()
 
