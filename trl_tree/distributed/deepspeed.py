@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stages 1-3) around the engine's own backward: gradients kept local through an
-optimizer step and reduced once; under ZeRO-3 the parameters held whole through a micro-step's
-tree calls.
+optimizer step and reduced once; under ZeRO-3 the parameters held whole through a step's tree
+calls.
 
 Why: DeepSpeed reduces each parameter's gradient from a hook on its accumulation, once per
 ``engine.backward`` — ZeRO-2 asserts that no parameter's gradient arrives twice in one backward.
@@ -17,18 +17,16 @@ So, for a tree trainer under DeepSpeed:
   its last, through DeepSpeed's own ``engine.coalesce_grad_reduction`` (its hooks skip the
   reduction; the block's exit runs one reduction pass over what accumulated) — the step's one
   reduction, as DDP's ``no_sync`` accumulation gives; then ``engine.step()``.
-  :class:`DeferredStepEngine` is Accelerate's ``DeepSpeedEngineWrapper`` without the step in its
-  ``backward``: the trainer steps after the step's last tree backward (a window's runs after the
-  micro-step's own backward).
+  :func:`defer_steps` takes the step out of Accelerate's ``DeepSpeedEngineWrapper.backward``: the
+  trainer steps after the step's last tree backward (a window's runs after the micro-step's own).
 * :class:`WholeParameters` (ZeRO-3) gathers every parameter of an engine's module once, with the
   engine's module hooks removed meanwhile — TRL's way for generation
-  (``trl.models.utils.remove_hooks``/``add_hooks``) — and partitions them again when the
-  micro-step's backward is done; the gradients stay whole on the parameters until the step's
-  reduction. The price is the whole model in memory during the micro-step (2 bytes per parameter
-  in bf16) plus its whole gradients through the step, the same price the FSDP2 path pays
-  (``fsdp.py``).
+  (``trl.models.utils.remove_hooks``/``add_hooks``) — from the step's first tree call to its end
+  (or until TRL generates), so once per optimizer step; the gradients stay whole on the parameters
+  until the step's reduction. The price is the whole model in memory through the step (2 bytes per
+  parameter in bf16) plus its whole gradients, the same price the FSDP2 path pays (``fsdp.py``).
 
-Both need DeepSpeed's ``coalesce_grad_reduction`` (0.19.8 has it).
+All of it needs DeepSpeed's ``coalesce_grad_reduction`` (0.19.8 has it).
 """
 
 from __future__ import annotations
@@ -63,34 +61,24 @@ def is_engine(model) -> bool:
     return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
 
 
-def _accelerate_wrapper():
-    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
-
-    return DeepSpeedEngineWrapper
-
-
-class DeferredStepEngine:
-    """Accelerate's ``DeepSpeedEngineWrapper`` whose ``backward`` does not step: ``engine.step()``
-    runs where the trainer calls :meth:`StepReduction.finish`, after the step's last tree backward.
-    Made by :func:`defer_steps` (a subclass of Accelerate's class, built on first use)."""
-
-
 def defer_steps(accelerator) -> None:
-    """Swap the accelerator's DeepSpeed wrapper for one whose ``backward`` leaves the step to the
-    trainer (:class:`StepReduction`); once, after ``accelerator.prepare`` made it."""
+    """Swap the accelerator's DeepSpeed wrapper (Accelerate's ``DeepSpeedEngineWrapper``) for one
+    whose ``backward`` does not step: ``engine.step()`` runs where the trainer calls
+    :meth:`StepReduction.finish`, after the step's last tree backward. Once, after
+    ``accelerator.prepare`` made the wrapper."""
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is None or getattr(wrapped, "defers_step", False):
         return
-    base = _accelerate_wrapper()
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
-    class _Deferred(base):
+    class DeferredStep(DeepSpeedEngineWrapper):
         defers_step = True
 
         def backward(self, loss, sync_gradients=True, **kwargs):
             self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
             self.engine.backward(loss, **kwargs)
 
-    accelerator.deepspeed_engine_wrapped = _Deferred(wrapped.engine)
+    accelerator.deepspeed_engine_wrapped = DeferredStep(wrapped.engine)
 
 
 class StepReduction:
@@ -100,10 +88,6 @@ class StepReduction:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._block = None
-
-    @property
-    def open(self) -> bool:
-        return self._block is not None
 
     def start(self) -> None:
         """Keep the gradients local from here on (idempotent within a step)."""
@@ -124,7 +108,7 @@ class StepReduction:
                 param.grad = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=param.dtype,
                                          device=self.engine.device)
 
-    def finish(self, step: bool = True) -> None:
+    def finish(self) -> None:
         """The step's one reduction (after :meth:`fill_missing`), then ``engine.step()`` (clipping,
         the optimizer, zeroing, the scheduler)."""
         if self._block is None:
@@ -134,9 +118,8 @@ class StepReduction:
             optimizer.fill_grad_accum_attribute()  # ZeRO-1's fp32 accumulation reads grad_accum
         block, self._block = self._block, None
         block.__exit__(None, None, None)
-        if step:
-            self.engine.set_gradient_accumulation_boundary(is_boundary=True)
-            self.engine.step()
+        self.engine.set_gradient_accumulation_boundary(is_boundary=True)
+        self.engine.step()
 
 
 def _local_grad(optimizer, param):
