@@ -187,20 +187,13 @@ def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tenso
 
         with deepspeed.zero.GatheredParameters(zero3):
             return torch.stack([t.detach().float().norm() for t in tensors]).sum()
-    # DeepSpeed's optimizer state is partitioned over the ranks (ZeRO): the parameters alone there
-    if optimizer is not None and not _deepspeed(optimizer):
+    if optimizer is not None:
         tensors += [t for state in optimizer.state.values() for t in state.values()
                     if torch.is_tensor(t) and t.dim() > 0]
     from ..distributed.fsdp import full_tensor
 
     norms = [full_tensor(t).detach().float().norm() for t in tensors]
     return torch.stack(norms).sum()
-
-
-def _deepspeed(optimizer) -> bool:
-    """Whether ``optimizer`` (Accelerate's wrapper) is DeepSpeed's."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return "DeepSpeed" in type(inner).__name__ or "deepspeed" in type(inner).__module__
 
 
 def _distributed_type(accelerator) -> str:
@@ -462,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             results[mode]["rank_fwd_bwd_ms"] = [round(t * 1e3, 1) for t in
                                                 gather_object([statistics.median(times)])]
         if processes > 1:  # every rank must end with the same parameters and moments (gradients averaged)
-            fingerprint = parameter_fingerprint(trainer.model, trainer.optimizer)
+            # DeepSpeed's optimizer state is partitioned over the ranks (ZeRO): the parameters alone there
+            deepspeed = trainer.accelerator.distributed_type.value == "DEEPSPEED"
+            fingerprint = parameter_fingerprint(trainer.model, None if deepspeed else trainer.optimizer)
             ranks = trainer.accelerator.gather(fingerprint.reshape(1))
             results[mode] |= {"ranks_agree": bool((ranks == ranks[0]).all())}
         if trainer.accelerator.is_main_process:

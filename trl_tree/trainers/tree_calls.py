@@ -61,7 +61,7 @@ class TreeCallsMixin:
         self._tree_reduce_group = (reduction_group(self.accelerator.device) if self.accelerator.num_processes > 1
                                    and not self._fsdp2() and self._zero_stage() is None else None)
         self._tree_step_reduction: zero.StepReduction | None = None  # DeepSpeed: the step's one reduction
-        self._tree_whole: dict[int, zero.WholeParameters] = {}  # ZeRO-3: engines held whole this micro-step
+        self._tree_whole: dict[int, zero.WholeParameters] = {}  # ZeRO-3: engines held whole this step
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
@@ -153,8 +153,11 @@ class TreeCallsMixin:
         return self.accelerator.distributed_type.value == "FSDP" and not self._fsdp2()
 
     def _zero_stage(self) -> int | None:
-        """The DeepSpeed ZeRO stage; None when DeepSpeed is not in use."""
-        return zero.deepspeed_stage(self.accelerator)
+        """The DeepSpeed ZeRO stage; None when DeepSpeed is not in use. Read once: every tree call
+        asks (Accelerate looks the active plugin up on each read), and the launch fixes it."""
+        if "_tree_zero_stage" not in self.__dict__:
+            self.__dict__["_tree_zero_stage"] = zero.deepspeed_stage(self.accelerator)
+        return self.__dict__["_tree_zero_stage"]
 
     # ------------------------------------------------------------------ DeepSpeed
     def _deepspeed_step_begins(self) -> None:
