@@ -3,7 +3,8 @@ does): every tree trainer under ZeRO-2 or ZeRO-3 — DeepSpeed's own engine, opt
 over gloo (its CPU accelerator) — on the fixed rollouts and data the DDP checks use.
 
 ``deepspeed_check.py CHECKPOINT SFT_CHECKPOINT OUT`` runs GRPO (untreed, packed, packed under a token budget, dfs;
-per micro-step and in accumulation windows), then SFT and DPO (stock and the tree's modes), and
+per micro-step and in accumulation windows), PPO (each critic kind: a separate value model, a head
+on the policy's trunk, a critic adapter under LoRA), then SFT and DPO (stock and the tree's modes), and
 writes each rank's trained parameters (gathered whole under ZeRO-3) and how many times the
 engine's one-per-step reduction ran (``flushes``). ``... idle`` (on four processes): windows that
 leave ranks without a tree. Under ZeRO-3 the test's config sets the
@@ -27,6 +28,38 @@ GRPO_RUNS = (
     ("packed", "accumulation", {}, ""),
     ("dfs", "accumulation", {}, ""),
 )
+
+
+#: PPO: (critic, tree_mode, tree_window, LoRA, save_model after training)
+PPO_RUNS = (
+    ("separate", "off", "auto", False, False),
+    ("separate", "packed", "accumulation", False, True),
+    ("separate", "dfs", "micro_step", False, False),
+    ("shared", "packed", "micro_step", False, False),
+    ("adapter", "dfs", "accumulation", True, False),
+)
+
+
+def value_model_beside(checkpoint: str) -> str:
+    """The separate critic's checkpoint, saved beside the policy's (:func:`save_value_model`)."""
+    return os.path.join(os.path.dirname(checkpoint), "value")
+
+
+def save_value_model(checkpoint: str) -> str:
+    """A value model with its head (the policy's backbone, a seeded one-value head): a fresh head
+    drawn inside ZeRO-3's ``zero.Init`` takes other random numbers than one drawn without it."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(1)
+    model = AutoModelForTokenClassification.from_pretrained(checkpoint, num_labels=1, dtype=torch.float64)
+    model.save_pretrained(value_model_beside(checkpoint))
+    return value_model_beside(checkpoint)
+
+
+def ppo_run(checkpoint: str, out_dir: str, critic: str, mode: str, window: str, lora: bool, save: bool) -> str:
+    value = {"value_model_path": value_model_beside(checkpoint)} if critic == "separate" else {}
+    return ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window, lora=lora, save=save,
+                                      tag="lora" if lora else "", **value)
 
 
 #: a window that leaves ranks without a tree (4 rows, one group, on 4 processes): (tree_mode, tag)
@@ -60,6 +93,13 @@ def main_grpo(checkpoint: str, out_dir: str, counts: dict) -> None:
     for mode, window, extra, tag in GRPO_RUNS:
         before = counts["flushes"]
         run = ddp_check.train_window_run(checkpoint, out_dir, "grpo", None, mode, window, tag=tag, **extra)
+        torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
+
+
+def main_ppo(checkpoint: str, out_dir: str, counts: dict) -> None:
+    for spec in PPO_RUNS:
+        before = counts["flushes"]
+        run = ppo_run(checkpoint, out_dir, *spec)
         torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
 
 
@@ -109,10 +149,12 @@ def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
 
 if __name__ == "__main__":
     checkpoint, sft_checkpoint, out_dir = sys.argv[1:4]
-    parts = sys.argv[4:] or ["grpo", "offline"]
+    parts = sys.argv[4:] or ["grpo", "ppo", "offline"]
     counts = count_flushes()
     if "grpo" in parts:
         main_grpo(checkpoint, out_dir, counts)
+    if "ppo" in parts:
+        main_ppo(checkpoint, out_dir, counts)
     if "offline" in parts:
         main_offline(sft_checkpoint, out_dir, counts)
     if "idle" in parts:

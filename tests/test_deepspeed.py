@@ -31,7 +31,8 @@ def zero_config(tmp_path, stage: int, processes: int = 2) -> str:
     every parameter (persistence threshold 0, no prefetch)."""
     zero = {"stage": stage}
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
+                    stage3_gather_16bit_weights_on_model_save=True)
     ds = {"zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
     (tmp_path / f"zero{stage}.json").write_text(json.dumps(ds))
@@ -50,8 +51,11 @@ def reference(tmp_path_factory):
     save_sft_checkpoint(out / "sft_tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     code = ("import sys; sys.path.insert(0, 'tests'); import ddp_check, deepspeed_check\n"
+            f"deepspeed_check.save_value_model({checkpoint!r})\n"
             "for mode, window, extra, tag in deepspeed_check.GRPO_RUNS:\n"
             f"    ddp_check.train_window_run({checkpoint!r}, {str(out)!r}, 'grpo', None, mode, window, tag=tag, **extra)\n"
+            "for spec in deepspeed_check.PPO_RUNS:\n"
+            f"    deepspeed_check.ppo_run({checkpoint!r}, {str(out)!r}, *spec[:4], False)\n"
             f"deepspeed_check.main_idle({checkpoint!r}, {str(out)!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -94,6 +98,37 @@ def test_grpo_every_tree_mode_under_zero_trains_the_one_process_update(launched)
     assert metrics["tree/dedup_ratio"][0] > 1.5 and "tree/rank_imbalance" in metrics, "no window ran"
 
 
+PPO = ("separate-off-auto", "separate-packed-accumulation", "separate-dfs-micro_step", "shared-packed-micro_step",
+       "adapter-dfs-accumulation-lora")
+
+
+def test_ppo_every_critic_kind_under_zero_trains_the_one_process_update(launched):
+    """PPO's critic in the policy's engine (joined while DeepSpeed builds it): a separate value model,
+    a head on the trunk, a critic adapter; untreed, packed and dfs, per micro-step and in windows."""
+    stage, out, one = launched
+    for run in [f"ppo-{r}" for r in PPO]:
+        ref = torch.load(one / f"win-{run}-p1_rank0.pt")
+        ranks = [torch.load(out / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        assert ranks[0]["distributed_type"] == "DEEPSPEED"
+        assert _worst(ranks[0]["params"], ranks[1]["params"]) == 0.0, f"ZeRO-{stage} {run}: the ranks disagree"
+        assert any(k.startswith("critic.") for k in ref["params"]), "no critic parameter compared"
+        update = _worst(ref["params"], ref["start"])
+        assert _worst(ranks[0]["params"], ref["params"]) <= 1e-4 * update, f"ZeRO-{stage} {run}"
+        flushes = torch.load(out / f"flushes-{run}.pt")["flushes"]
+        assert flushes == 2, f"ZeRO-{stage} {run}: {flushes} reductions for 2 optimizer steps"
+    # saved as under DDP: the policy alone in its files, the critic whole beside it
+    from safetensors.torch import load_file
+
+    final = out / "ppo-separate-packed-accumulation" / "final"
+    policy = load_file(str(final / "model.safetensors"))
+    assert not [k for k in policy if "trl_tree_joined" in k], "the critic was saved inside the policy"
+    critic = load_file(str(final / "critic.safetensors"))
+    trained = torch.load(out / "win-ppo-separate-packed-accumulation-p2_rank0.pt")["params"]
+    head = critic["model.score.weight"].double()
+    assert head.numel() > 0 and any(torch.equal(head, v.double()) for k, v in trained.items()
+                                    if k.startswith("critic.") and v.shape == head.shape), "the saved critic"
+
+
 @pytest.mark.parametrize("family", ["sft", "dpo"])
 def test_offline_trainers_under_zero_train_stock_update(launched, family):
     stage, out, _ = launched
@@ -108,7 +143,8 @@ def test_offline_trainers_under_zero_train_stock_update(launched, family):
         assert worst <= 1e-5, f"ZeRO-{stage} {family} {mode} differs from stock by {worst:.2e}"
 
 
-@pytest.mark.parametrize("stage, example", [(3, "grpo_tree.py --mode dfs"), (2, "sft_tree.py --mode dfs")])
+@pytest.mark.parametrize("stage, example", [(3, "grpo_tree.py --mode dfs"), (2, "sft_tree.py --mode dfs"),
+                                            (3, "ppo_tree.py --mode packed --steps 3")])
 def test_examples_run_under_the_shipped_deepspeed_configs(stage, example):
     """An example as a user launches it with ``examples/accelerate/deepspeed_zero{2,3}.yaml`` (two CPU
     processes; the configs' bf16 turned off, as the examples train in fp32 on a CPU)."""
@@ -116,7 +152,7 @@ def test_examples_run_under_the_shipped_deepspeed_configs(stage, example):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
            "--config_file", os.path.join(ROOT, f"examples/accelerate/deepspeed_zero{stage}.yaml"),
            "--num_processes", "2", "--mixed_precision", "no", os.path.join(ROOT, "examples", example.split()[0]),
-           *example.split()[1:], "--steps", "2"]
+           *example.split()[1:], *([] if "--steps" in example else ["--steps", "2"])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "processes 2" in done.stdout, done.stdout[-2000:]

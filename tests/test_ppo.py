@@ -304,7 +304,8 @@ def test_toy_run_raises_reward_and_explained_variance(tmp_path):
     path = build_tiny_policy(tmp_path / "policy", hidden_size=32, num_layers=2)
     args = TreePPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4, max_completion_length=8,
-        learning_rate=3e-3, max_steps=24, beta=0.0, kl_coef=0.01, vf_coef=0.5, critic="shared", num_ppo_epochs=2,
+        learning_rate=5e-3, critic_learning_rate=1e-2, max_steps=24, beta=0.0, kl_coef=0.01, vf_coef=0.5,
+        critic="shared", num_ppo_epochs=2,
         logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
         gradient_checkpointing=False, temperature=1.0, gamma=1.0, lam=0.95)
     trainer = TreePPOTrainer(model=path, reward_funcs=reward_letter_a, args=args,
@@ -391,6 +392,38 @@ def test_critic_saved_and_restored(checkpoint, tmp_path):
     resumed.train(resume_from_checkpoint=saved)
     assert resumed.state.global_step == 2
 
+
+
+@pytest.mark.parametrize("kind", ["separate", "shared"])
+def test_each_optimizer_step_starts_the_critic_gradients_at_zero(checkpoint, kind):
+    """The Trainer zeroes the model it prepared after each optimizer step, which holds neither a
+    separate value model nor a value head: the critic's gradients must not add up across steps. With
+    a learning rate of 0 the two steps of a PPO epoch pair see the same weights and the same rollouts,
+    so the gradient each optimizer step applies is the same — not twice the first at the second."""
+    from transformers import TrainerCallback
+
+    seen, built = [], []
+
+    class Record(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen.append([p.grad.detach().clone() for p in built[0].critic.parameters()])
+
+    original = TreePPOTrainer._setup_critic
+
+    def setup(self, value_model):
+        original(self, value_model)
+        built.append(self)
+        self.add_callback(Record())
+
+    TreePPOTrainer._setup_critic = setup
+    try:
+        _train(checkpoint, "packed", kind, max_steps=2, gradient_accumulation_steps=1, steps_per_generation=1,
+               num_iterations=2, num_mini_batches=1, learning_rate=0.0)
+    finally:
+        TreePPOTrainer._setup_critic = original
+    assert len(seen) == 2 and max(g.abs().max().item() for g in seen[0]) > 0
+    for first, second in zip(*seen):
+        assert torch.allclose(first, second, rtol=1e-9, atol=1e-12), "the critic's gradients of step 1 carried over"
 
 
 def test_a_value_model_of_another_tokenizer_is_warned_about(checkpoint, tmp_path):

@@ -26,12 +26,25 @@ So, for a tree trainer under DeepSpeed:
   until the step's reduction. The price is the whole model in memory through the step (2 bytes per
   parameter in bf16) plus its whole gradients, the same price the FSDP2 path pays (``fsdp.py``).
 
+* :func:`join_modules` / :func:`separate_joined` put what trains beside the model (PPO's critic)
+  into the model's engine: attached to the model while ``deepspeed.initialize`` builds the engine
+  (ZeRO converts, partitions and names every parameter of its module, and its optimizer's groups
+  must hold nothing else), taken out again once it is built, so that what sees the model —
+  generation, saving, vLLM's weight sync — sees the model alone. One engine then clips, reduces
+  and steps both together, as one optimizer does under DDP.
+
 All of it needs DeepSpeed's ``coalesce_grad_reduction`` (0.19.8 has it).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+#: the attribute under which :func:`join_modules` attaches modules to a model, and where
+#: :func:`separate_joined` keeps them on the engine afterwards
+JOINED = "trl_tree_joined"
 
 
 def deepspeed_stage(accelerator) -> int | None:
@@ -59,6 +72,52 @@ def missing_support() -> str | None:
 def is_engine(model) -> bool:
     """Whether ``model`` is a ``DeepSpeedEngine`` (without importing DeepSpeed where it is absent)."""
     return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
+
+
+def join_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> None:
+    """Attach ``modules`` to ``model`` (as ``model.trl_tree_joined``) before ``deepspeed.initialize``
+    builds its engine: their parameters become the engine's (converted and partitioned under ZeRO-3,
+    named for ZeRO's optimizer, cast and placed as the model). Idempotent."""
+    joined = model._modules.get(JOINED)
+    if joined is None:
+        model.add_module(JOINED, torch.nn.ModuleDict(modules))
+        return
+    for name, module in modules.items():
+        if name not in joined:
+            joined[name] = module
+
+
+def separate_joined(engine) -> None:
+    """Take the modules :func:`join_modules` attached out of the engine's module again, now that the
+    engine holds their parameters; the engine keeps them (:func:`engine_parameters`). Idempotent."""
+    joined = engine.module._modules.pop(JOINED, None)
+    if joined is not None:
+        engine.__dict__[JOINED] = joined
+
+
+def engine_parameters(engine) -> list[torch.nn.Parameter]:
+    """Every parameter an engine holds: its module's and those of the modules joined to it."""
+    params = {id(p): p for p in engine.module.parameters()}
+    joined = engine.__dict__.get(JOINED)
+    if joined is not None:
+        params.update({id(p): p for p in joined.parameters()})
+    return list(params.values())
+
+
+def zero3_parameters(params) -> list[torch.nn.Parameter]:
+    """The parameters of ``params`` that ZeRO-3 partitions."""
+    return [p for p in params if hasattr(p, "ds_id")]
+
+
+def whole(params, modifier_rank: int | None = None):
+    """ZeRO-3's partitioned parameters among ``params`` whole for the block (``modifier_rank``: the
+    rank whose writes are kept); a no-op where none is partitioned. Collective."""
+    partitioned = zero3_parameters(params)
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
 
 
 def defer_steps(accelerator) -> None:
@@ -103,7 +162,7 @@ class StepReduction:
         if self._block is None:
             return
         optimizer = self.engine.optimizer
-        for param in self.engine.module.parameters():
+        for param in engine_parameters(self.engine):
             if param.requires_grad and _local_grad(optimizer, param) is None:
                 param.grad = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=param.dtype,
                                          device=self.engine.device)
@@ -129,7 +188,7 @@ def _local_grad(optimizer, param):
 
 
 class WholeParameters:
-    """ZeRO-3: every parameter of an engine's module gathered once and its module hooks removed,
+    """ZeRO-3: every parameter of an engine (:func:`engine_parameters`) gathered once and its module hooks removed,
     until :meth:`release` (re-entrant: nested holds of the same engine gather once)."""
 
     def __init__(self, engine) -> None:
@@ -147,7 +206,7 @@ class WholeParameters:
         import deepspeed
         from trl.models.utils import remove_hooks
 
-        gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
+        gathered = deepspeed.zero.GatheredParameters(engine_parameters(self.engine))
         gathered.__enter__()
         self._gathered = gathered
         remove_hooks(self.engine)

@@ -164,12 +164,17 @@ class TreeCallsMixin:
         """At each micro-step of a tree run under DeepSpeed (``trl_tree.distributed.deepspeed``):
         Accelerate's wrapper no longer steps in ``backward`` and the step's gradients stay local
         until :meth:`_deepspeed_micro_step_ends` reduces them once."""
-        if self._zero_stage() is None or self.args.tree_mode == "off":
+        if self._zero_stage() is None or not self._defers_deepspeed_step():
             return
         zero.defer_steps(self.accelerator)
         if self._tree_step_reduction is None:
             self._tree_step_reduction = zero.StepReduction(self.accelerator.deepspeed_engine_wrapped.engine)
         self._tree_step_reduction.start()
+
+    def _defers_deepspeed_step(self) -> bool:
+        """Whether the trainer, not Accelerate's ``backward``, reduces and steps under DeepSpeed: the
+        tree's modes; ``tree_mode="off"`` is stock's step."""
+        return self.args.tree_mode != "off"
 
     def _deepspeed_micro_step_ends(self) -> None:
         """The end of a micro-step under DeepSpeed, after its last tree backward; at the optimizer

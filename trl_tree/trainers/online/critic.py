@@ -17,7 +17,8 @@ of their own and averages their gradients by hand (``grad_sync``) at each synchr
 Under FSDP2 a separate value model is sharded as Accelerate shards the policy and a critic adapter
 is sharded with the policy it lives in; their gradients are reduced by FSDP2 itself, once per
 optimizer step (``distributed/fsdp.py``). Only a head outside both (``"shared"``, ``"adapter"``:
-``hidden_size + 1`` parameters) stays whole on every rank and is averaged by hand.
+``hidden_size + 1`` parameters) stays whole on every rank and is averaged by hand. Under DeepSpeed
+every critic parameter is the policy's engine's (``in_engine``): it reduces and steps them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import warnings
 import torch
 from transformers import AutoModelForTokenClassification, PreTrainedModel
 
+from ...distributed.deepspeed import whole
 from ...distributed.fsdp import copy_full_into, full_tensor
 
 CRITIC_KINDS = ("separate", "shared", "adapter")
@@ -69,6 +71,7 @@ class Critic:
                  adapter_params: dict[str, torch.nn.Parameter] | None = None):
         self.kind = kind
         self.sharded = False  # FSDP2: the value model, or the policy holding the adapter, is sharded
+        self.in_engine = False  # DeepSpeed: every critic parameter is held and reduced by the policy's engine
         self.head = head
         self.model = model
         self.adapter_params = adapter_params or {}
@@ -105,10 +108,20 @@ class Critic:
             return [p for p in self.model.parameters() if p.requires_grad]
         return list(self.adapter_params.values()) + list(self.head.parameters())
 
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The modules whose parameters the critic trains besides the policy's own (a critic adapter
+        lives in the policy): what joins the policy's DeepSpeed engine."""
+        if self.kind == "separate":
+            return {"value_model": self.model}
+        return {"value_head": self.head}
+
     def replicated_parameters(self) -> list[torch.nn.Parameter]:
         """The trained parameters every rank holds whole, which the trainer averages by hand: all of
         them, but where the critic is ``sharded`` (FSDP2) only a head outside the sharded models —
-        told by kind, not by type: inside a gathered block a sharded model shows whole parameters."""
+        told by kind, not by type: inside a gathered block a sharded model shows whole parameters —
+        and none where the critic is ``in_engine`` (DeepSpeed)."""
+        if self.in_engine:
+            return []
         if not self.sharded:
             return [p for p in self.parameters() if p.requires_grad]
         if self.kind == "separate":
@@ -206,7 +219,10 @@ def _load_value_model(value_model, policy: torch.nn.Module, model_init_kwargs: d
     with torch.device(next(pretrained.parameters()).device):  # a large random init on the CPU takes minutes
         model = AutoModelForTokenClassification.from_config(config, attn_implementation=kwargs["attn_implementation"],
                                                             dtype=kwargs["dtype"])
-    model.base_model.load_state_dict(pretrained.base_model.state_dict())
+    # under ZeRO-3 either may be partitioned (the value model is, built inside zero.Init): copied whole
+    with whole(list(pretrained.base_model.parameters())), \
+            whole(list(model.base_model.parameters()), modifier_rank=0):
+        model.base_model.load_state_dict(pretrained.base_model.state_dict())
     return model
 
 

@@ -23,6 +23,14 @@ critic's calls run under the engine's gather-once path (``distributed/fsdp.gathe
 gradients are reduced once per optimizer step (``reduce_gradients``), as the policy's. Its value
 calls there always take the two-pass backward: the engine calls a critic's backbone directly, past
 the FSDP2 root whose hooks would otherwise re-gather what a one-pass backward needs.
+
+Under DeepSpeed (ZeRO-1/2/3) the critic trains inside the policy's engine: its modules are joined to
+the policy while DeepSpeed builds the engine and taken out afterwards
+(``distributed/deepspeed.join_modules``), so one ZeRO optimizer partitions, reduces, clips (one norm,
+as under DDP) and steps both, and the trainer runs every mode's step — ``tree_mode="off"`` included —
+through the tree's one reduction per optimizer step; under ZeRO-3 the critic is held whole with the
+policy through the step's calls. TRL 1.12's PPOTrainer reached one engine the same way, by wrapping
+policy and value model in one module; here the module DeepSpeed holds stays the policy.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model, use_adapter
 
+from ...distributed import deepspeed as zero
 from ...distributed.exchange import reduction_group
 from ...distributed.fsdp import gathered, reduce_gradients, resharded, shard_as_accelerate
 from ...engine.api import tree_value_backward, tree_values
@@ -81,10 +90,12 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ construction
     def _setup_critic(self, value_model) -> None:
         args = self.args
-        if self._sharded() and not self._fsdp2():
-            raise ValueError(f"TreePPOTrainer: the critic trains under DDP (gradients averaged by hand) and FSDP2 "
-                             f"(sharded, reduced by FSDP2 once per step), not {self._wrapper_name()}; use "
-                             "examples/accelerate/fsdp2.yaml or multi_gpu.yaml")
+        if self._fsdp1():
+            raise ValueError(f"TreePPOTrainer: the critic trains under DDP (gradients averaged by hand), FSDP2 "
+                             f"(sharded, reduced by FSDP2 once per step) and DeepSpeed (in the policy's engine), not "
+                             f"{self._wrapper_name()}; use examples/accelerate/fsdp2.yaml, deepspeed_zero3.yaml or "
+                             "multi_gpu.yaml")
+        self._check_deepspeed_critic()
         self._critic_fsdp_pending = False  # FSDP2: a separate critic's gradients await their reduction
         policy = self._unwrapped(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
@@ -112,7 +123,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         if self.accelerator.num_processes > 1 and not low_memory:
             with torch.no_grad():
                 for p in self.critic.parameters():
-                    torch.distributed.broadcast(p.data, src=0)
+                    if not hasattr(p, "ds_id"):  # ZeRO-3 initialised a partitioned value model alike on every rank
+                        torch.distributed.broadcast(p.data, src=0)
+        self.critic.in_engine = self._zero_stage() is not None
         if self._fsdp2():
             self.critic.sharded = True  # the policy (and an adapter in it) once the Trainer prepares it
             if self.critic.kind != "separate" and self.accelerator.num_processes > 1:
@@ -123,7 +136,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             if critic_model is not None:  # the value model sharded as the policy will be, after the broadcast
                 self.critic.model = shard_as_accelerate(self.accelerator, critic_model)
                 self.critic.head = self.critic.model.score
-        if self.critic.kind == "adapter" and self.accelerator.num_processes > 1 and not self._fsdp2():
+        if self.critic.kind == "adapter" and self.accelerator.num_processes > 1 and not self._sharded():
             # the critic adapter is not used by the policy's DDP forward: DDP must not wait for its gradients
             from torch.nn.parallel import DistributedDataParallel
 
@@ -131,11 +144,27 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                                                                         .values())]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, names)
 
+    def _check_deepspeed_critic(self) -> None:
+        """Under DeepSpeed: the critic's group must be in the optimizer DeepSpeed wraps, and the step is
+        the trainer's (DeepSpeed's one-reduction block) in every mode."""
+        if self._zero_stage() is None:
+            return
+        why = zero.missing_support()
+        if why is not None:
+            raise ValueError(f"TreePPOTrainer: {why}")
+        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if "optimizer" in config:
+            raise ValueError("TreePPOTrainer: the DeepSpeed config names an optimizer, which DeepSpeed builds over the "
+                             "policy's parameters alone; remove its 'optimizer' block (the trainer builds the "
+                             "optimizer from optim/learning_rate with the critic's parameter group)")
+
     def create_optimizer(self, model=None):
         """TRL's optimizer for the policy, plus one parameter group for the critic (its own learning
         rate with ``critic_learning_rate``; the scheduler scales both). Under FSDP2 the critic's group
         joins once the policy is sharded (``create_scheduler``): Accelerate swaps the optimizer's
-        parameters for the policy's sharded ones and knows no other model's."""
+        parameters for the policy's sharded ones and knows no other model's. Under DeepSpeed the
+        critic's modules are joined to the policy here, before DeepSpeed builds its engine around
+        both (``distributed/deepspeed.join_modules``)."""
         critic_params = self.critic.parameters()
         saved = [p.requires_grad for p in critic_params]
         for p in critic_params:  # a critic adapter lives in the policy model: keep it out of the policy's groups
@@ -147,10 +176,17 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 p.requires_grad_(flag)
         if not self._fsdp2():
             self._add_critic_group(optimizer)
+        if self._zero_stage() is not None:
+            zero.join_modules(self._unwrapped(self.model), self.critic.modules())
         return optimizer
 
     def _add_critic_group(self, optimizer) -> None:
-        group = {"params": self.critic.parameters(), "weight_decay": self.args.weight_decay}
+        """Once per optimizer (Transformers asks for the optimizer twice under DeepSpeed)."""
+        params = self.critic.parameters()
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(p) in held for p in params):
+            return
+        group = {"params": params, "weight_decay": self.args.weight_decay}
         if self.args.critic_learning_rate is not None:
             group["lr"] = self.args.critic_learning_rate
         optimizer.add_param_group(group)
@@ -159,13 +195,27 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Under FSDP2, here — after ``accelerator.prepare`` sharded the policy, before the scheduler
         reads the optimizer's groups — the critic adapter's parameters are read again from the sharded
-        policy and the critic's group is added."""
+        policy and the critic's group is added. Under DeepSpeed, once its engine is built, the critic's
+        modules are taken out of the policy again."""
+        self._separate_critic()
         if self._fsdp2() and not getattr(self, "_critic_group_added", False):
             if self.critic.model is not None:
                 resharded(self.critic.model)  # the optimizer takes the sharded parameters
             self.critic.refresh_adapter(self._unwrapped(self.model))
             self._add_critic_group(self.optimizer if optimizer is None else optimizer)
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def _separate_critic(self) -> None:
+        """DeepSpeed: once the engine holds the critic's parameters, the policy is the policy alone
+        again (generation, saving and vLLM's weight sync read it)."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if self._zero_stage() is not None and wrapped is not None:
+            zero.separate_joined(wrapped.engine)
+
+    def _defers_deepspeed_step(self) -> bool:
+        """Every mode: ``tree_mode="off"`` is no stock step here, and under ZeRO-3 the critic is held
+        whole (as the tree holds the policy) until the step's reduction."""
+        return True
 
     # ------------------------------------------------------------------ rollouts
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -476,9 +526,22 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch):
+        self._separate_critic()
+        if self._tree_micro_in_update == 0:
+            self._zero_critic_gradients()
         if self.critic.model is not None:
             self.critic.model.train(self.model.training)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _zero_critic_gradients(self) -> None:
+        """At an optimizer step's first micro-step: the critic's gradients of the last step dropped.
+        The Trainer zeroes the model it prepared (``model.zero_grad()`` after each optimizer step),
+        which does not hold a separate value model or a value head, so without this they would add
+        up across steps. Under DeepSpeed the engine zeroes them: they are in its optimizer."""
+        if self.critic.in_engine:
+            return
+        for p in self.critic.parameters():
+            p.grad = None
 
     def _sync_other_gradients(self) -> None:
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
@@ -498,8 +561,13 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
     def _critic_gathered(self, model):
         """Under FSDP2, the critic's backbone model (the value model, or the policy) gathered once for
-        a sequence of calls, gradients accumulated unreduced (``distributed/fsdp.gathered``)."""
-        return gathered(model) if self._fsdp2() else contextlib.nullcontext()
+        a sequence of calls, gradients accumulated unreduced (``distributed/fsdp.gathered``); under
+        ZeRO-3, the policy's engine — the critic's parameters with it — held whole (``_whole``)."""
+        if self._fsdp2():
+            return gathered(model)
+        if self._zero_stage() == 3:
+            return self._whole(self._unwrapped(self.model))
+        return contextlib.nullcontext()
 
     def _critic_reduction_pending(self) -> None:
         """Under FSDP2, after a critic backward: its sharded gradients await the step's one reduction
@@ -519,19 +587,29 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save or self._fsdp2():  # a sharded critic is gathered on every rank
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self.critic.save(os.path.join(self._get_output_dir(trial=trial), folder), write=self.args.should_save)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._save_critic(os.path.join(self._get_output_dir(trial=trial), folder))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        if (self.args.should_save or self._fsdp2()) and not _internal_call:
-            self.critic.save(output_dir or self.args.output_dir, write=self.args.should_save)
+        if not _internal_call:
+            self._save_critic(output_dir or self.args.output_dir)
+
+    def _save_critic(self, directory: str) -> None:
+        """The critic beside the policy; where it is sharded (FSDP2) or partitioned (ZeRO-3) every rank
+        takes part in gathering it whole and the saving ranks write."""
+        collective = self._fsdp2() or self._zero_stage() == 3
+        if self.args.should_save or collective:
+            with zero.whole(self.critic.parameters()):
+                self.critic.save(directory, write=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and not self.critic.load(checkpoint):
-            raise ValueError(f"{checkpoint} holds no critic ({self.critic.kind}); it was not written by "
-                             "TreePPOTrainer")
+        if checkpoint is None:
+            return
+        with zero.whole(self.critic.parameters(), modifier_rank=0):
+            if not self.critic.load(checkpoint):
+                raise ValueError(f"{checkpoint} holds no critic ({self.critic.kind}); it was not written by "
+                                 "TreePPOTrainer")
