@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from datasets import Dataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ddp_check  # noqa: E402
@@ -103,6 +104,32 @@ def main_ppo(checkpoint: str, out_dir: str, counts: dict) -> None:
         torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
 
 
+def main_rloo(checkpoint: str, out_dir: str, counts: dict) -> None:
+    """RLOO (stock ``RLOOTrainer``, the tree packed and dfs) under the launch's DeepSpeed config, on
+    generated rollouts: one generation serves both optimizer steps (``num_iterations=2``), drawn by
+    the same model from the same seed in each run, so the three train on the same rows."""
+    from trainer_harness import BASE_ARGS, PROMPTS, reward_a
+    from transformers import PreTrainedTokenizerFast
+    from trl import RLOOConfig, RLOOTrainer
+
+    from trl_tree import TreeRLOOConfig, TreeRLOOTrainer
+
+    runs = {"rloo_stock": (RLOOTrainer, RLOOConfig, {}), "rloo_packed": (TreeRLOOTrainer, TreeRLOOConfig, {}),
+            "rloo_dfs": (TreeRLOOTrainer, TreeRLOOConfig, {"tree_mode": "dfs"})}
+    for run, (trainer_cls, config_cls, tree) in runs.items():
+        before = counts["flushes"]
+        args = config_cls(output_dir=os.path.join(out_dir, run), **{**BASE_ARGS, "per_device_train_batch_size": 4},
+                          model_init_kwargs={"dtype": torch.float32}, **tree)
+        torch.manual_seed(0)
+        trainer = trainer_cls(model=checkpoint, reward_funcs=reward_a, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                              processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+        trainer.train()
+        _save(trainer, out_dir, run, counts, before)
+        completions = list(trainer._logs["completion"])
+        torch.save(completions, os.path.join(out_dir, f"{run}_completions_rank{trainer.accelerator.process_index}.pt"))
+
+
 def _save(trainer, out_dir: str, run: str, counts: dict, before: int) -> None:
     with ddp_check.zero3_whole(trainer.model):
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -149,12 +176,14 @@ def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
 
 if __name__ == "__main__":
     checkpoint, sft_checkpoint, out_dir = sys.argv[1:4]
-    parts = sys.argv[4:] or ["grpo", "ppo", "offline"]
+    parts = sys.argv[4:] or ["grpo", "ppo", "rloo", "offline"]
     counts = count_flushes()
     if "grpo" in parts:
         main_grpo(checkpoint, out_dir, counts)
     if "ppo" in parts:
         main_ppo(checkpoint, out_dir, counts)
+    if "rloo" in parts:
+        main_rloo(checkpoint, out_dir, counts)
     if "offline" in parts:
         main_offline(sft_checkpoint, out_dir, counts)
     if "idle" in parts:

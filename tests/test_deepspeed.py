@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on two CPU processes (DeepSpeed's CPU accelerator over gloo): every
-tree mode of GRPO (per micro-step, under a token budget, in accumulation windows), SFT and DPO trains
-the update one process trains (GRPO, fp64 weights under DeepSpeed's fp32 master copy) or stock's
-under the same DeepSpeed config (SFT, DPO), the ranks agree, and the gradients are reduced once per
-optimizer step (``trl_tree/distributed/deepspeed.py``). Under ZeRO-3 the parameter persistence
-threshold is 0, so the tiny model's parameters are partitioned as a large model's are."""
+tree mode of GRPO (per micro-step, under a token budget, in accumulation windows), PPO (each critic
+kind), RLOO, SFT and DPO trains the update one process trains (GRPO, PPO: fp64 weights under
+DeepSpeed's fp32 master copy) or stock's under the same DeepSpeed config (RLOO, SFT, DPO), the ranks
+agree, and the gradients are reduced once per optimizer step (``trl_tree/distributed/deepspeed.py``).
+Under ZeRO-3 the parameter persistence threshold is 0, so the tiny model's parameters are partitioned
+as a large model's are."""
 
 from __future__ import annotations
 
@@ -129,11 +130,15 @@ def test_ppo_every_critic_kind_under_zero_trains_the_one_process_update(launched
                                     if k.startswith("critic.") and v.shape == head.shape), "the saved critic"
 
 
-@pytest.mark.parametrize("family", ["sft", "dpo"])
-def test_offline_trainers_under_zero_train_stock_update(launched, family):
+@pytest.mark.parametrize("family", ["sft", "dpo", "rloo"])
+def test_trainers_under_zero_train_stock_update(launched, family):
+    """SFT, DPO and RLOO (on generated rollouts) against their stock TRL trainer in the same launch."""
     stage, out, _ = launched
     stock = torch.load(out / f"{family}_stock_rank0.pt")
     for mode in ("packed", "dfs"):
+        if family == "rloo":
+            assert torch.load(out / f"rloo_{mode}_completions_rank0.pt") == torch.load(
+                out / "rloo_stock_completions_rank0.pt"), "RLOO: the runs did not train on the same rollouts"
         ranks = [torch.load(out / f"{family}_{mode}_rank{r}.pt") for r in (0, 1)]
         flushes = int(ranks[0].pop("flushes"))
         ranks[1].pop("flushes")
