@@ -102,6 +102,30 @@ def main_ppo(checkpoint: str, out_dir: str, counts: dict) -> None:
         before = counts["flushes"]
         run = ppo_run(checkpoint, out_dir, *spec)
         torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
+    main_resume(checkpoint, out_dir)
+
+
+def main_resume(checkpoint: str, out_dir: str) -> None:
+    """PPO with a separate critic, checkpointed at every step, then resumed from the first step's
+    checkpoint (DeepSpeed's own, with ``critic.safetensors`` beside it): the resumed run must end
+    where the uninterrupted one did. One PPO epoch per generation, so the second step's rollouts do
+    not depend on the first step's policy."""
+    import transformers
+
+    settings = dict(value_model_path=value_model_beside(checkpoint), num_iterations=1)
+    run = ddp_check.train_window_run(checkpoint, out_dir, "ppo", "separate", "packed", "accumulation", tag="full",
+                                     save_strategy="steps", save_steps=1, **settings)
+    original = transformers.Trainer.train
+
+    def resumed(self, *args, **kwargs):
+        return original(self, resume_from_checkpoint=os.path.join(out_dir, run, "checkpoint-1"))
+
+    transformers.Trainer.train = resumed
+    try:
+        ddp_check.train_window_run(checkpoint, out_dir, "ppo", "separate", "packed", "accumulation", tag="resumed",
+                                   **settings)
+    finally:
+        transformers.Trainer.train = original
 
 
 def main_rloo(checkpoint: str, out_dir: str, counts: dict) -> None:

@@ -117,6 +117,10 @@ def test_ppo_every_critic_kind_under_zero_trains_the_one_process_update(launched
         assert _worst(ranks[0]["params"], ref["params"]) <= 1e-4 * update, f"ZeRO-{stage} {run}"
         flushes = torch.load(out / f"flushes-{run}.pt")["flushes"]
         assert flushes == 2, f"ZeRO-{stage} {run}: {flushes} reductions for 2 optimizer steps"
+    # resumed from a DeepSpeed checkpoint (the critic's optimizer state in the engine's, its weights beside)
+    full = torch.load(out / "win-ppo-separate-packed-accumulation-full-p2_rank0.pt")
+    resumed = torch.load(out / "win-ppo-separate-packed-accumulation-resumed-p2_rank0.pt")
+    assert _worst(full["params"], resumed["params"]) <= 1e-6 * _worst(full["params"], full["start"]), "resumed"
     # saved as under DDP: the policy alone in its files, the critic whole beside it
     from safetensors.torch import load_file
 
