@@ -556,7 +556,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
     def _critic_params(self) -> list[torch.nn.Parameter]:
         """The critic's trainable parameters that are averaged by hand: all of them under DDP (value
-        model or adapter, and head); under FSDP2 only the head outside the sharded models."""
+        model or adapter, and head); under FSDP2 only the head outside the sharded models; none under
+        DeepSpeed (its engine reduces them)."""
         return self.critic.replicated_parameters()
 
     def _critic_gathered(self, model):
