@@ -187,3 +187,25 @@ def test_zero3_window_that_leaves_ranks_without_a_tree(reference, tmp_path):
             run = torch.load(tmp_path / f"win-grpo-{mode}-accumulation-idle-p4_rank{rank}.pt")
             assert run["metrics"]["tree/rank_imbalance"][0] >= 2.0, "every rank had a tree: nothing was idle"
             assert _worst(run["params"], ref["params"]) <= 1e-4 * update, f"{mode}, rank {rank}"
+
+
+def test_bench_models_are_built_whole_under_a_zero3_config():
+    """A benchmark's modes build their random model outside ZeRO-3's ``zero.Init`` (the same weights
+    in every mode of a launch), and the launch's ZeRO-3 config is back afterwards."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from trl_tree.bench.common import built_whole
+
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with built_whole():
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        del config
+    with built_whole():  # no DeepSpeed config: nothing to do
+        assert not is_deepspeed_zero3_enabled()

@@ -6,6 +6,7 @@ events, baseline and tree in the same process on the same rollouts; report ratio
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -43,6 +44,27 @@ def process_device() -> torch.device:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
+
+
+@contextlib.contextmanager
+def built_whole():
+    """A benchmark's random model built whole, never inside DeepSpeed ZeRO-3's ``zero.Init``:
+    Transformers builds there once any ``TrainingArguments`` of a ZeRO-3 launch exists (a later
+    mode's, while the first mode's model came before it) and, until that object is collected, that
+    init draws other random weights. Built whole, every mode of a launch starts from the same weights
+    (DeepSpeed partitions them when it builds its engine)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def release_memory() -> None:

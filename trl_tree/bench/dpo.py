@@ -23,6 +23,7 @@ import torch
 
 from .common import (
     bench_tokenizer,
+    built_whole,
     dump,
     environment,
     offline_bench_parser,
@@ -66,7 +67,7 @@ def run_mode(mode: str, rows: list[dict], config, steps: int, micro_batch: int |
 
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    with process_device():
+    with process_device(), built_whole():
         model, ref = (AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                        attn_implementation="sdpa") for _ in range(2))
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, learning_rate=1e-7, optim="sgd", bf16=cuda,

@@ -26,6 +26,7 @@ import torch
 
 from .common import (
     bench_tokenizer,
+    built_whole,
     dump,
     environment,
     offline_bench_parser,
@@ -61,7 +62,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     attention = _attention_for_packing() if packed else "sdpa"
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()  # the CPU runs it too (its test, on a tiny config)
-    with process_device():
+    with process_device(), built_whole():
         try:
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                      attn_implementation=attention)

@@ -54,6 +54,7 @@ from .common import (
     add_grpo_shape_args,
     add_kernels_arg,
     bench_tokenizer,
+    built_whole,
     dump,
     environment,
     release_memory,
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         # a mode named twice runs twice (its later results under "MODE#2", ...)
         mode = run if run not in results else f"{run}#{sum(1 for k in results if k.partition('#')[0] == run) + 1}"
         torch.manual_seed(0)
-        with device:  # initialised on the GPU: a 7B random init on the CPU takes minutes
+        with device, built_whole():  # initialised on the GPU: a 7B random init on the CPU takes minutes
             # a copy: the trainer aligns the model's config with the tokenizer (pad_token_id = 0), and a
             # later mode built from the same object would initialise the pad row of the embedding as zeros
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32 if args.update_check else
