@@ -57,6 +57,11 @@ def save_value_model(checkpoint: str) -> str:
     return value_model_beside(checkpoint)
 
 
+#: under ZeRO-2 (the suite's time): each critic kind once, in windows or per micro-step
+PPO_CORE = tuple(spec for spec in PPO_RUNS if (spec[0], spec[1]) != ("separate", "off") and
+                 (spec[0], spec[1]) != ("separate", "dfs"))
+
+
 def ppo_run(checkpoint: str, out_dir: str, critic: str, mode: str, window: str, lora: bool, save: bool) -> str:
     value = {"value_model_path": value_model_beside(checkpoint)} if critic == "separate" else {}
     return ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window, lora=lora, save=save,
@@ -97,12 +102,14 @@ def main_grpo(checkpoint: str, out_dir: str, counts: dict) -> None:
         torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
 
 
-def main_ppo(checkpoint: str, out_dir: str, counts: dict) -> None:
-    for spec in PPO_RUNS:
+def main_ppo(checkpoint: str, out_dir: str, counts: dict, core: bool = False) -> None:
+    """PPO's runs (``core``: :data:`PPO_CORE`, without the resumed run)."""
+    for spec in PPO_CORE if core else PPO_RUNS:
         before = counts["flushes"]
         run = ppo_run(checkpoint, out_dir, *spec)
         torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
-    main_resume(checkpoint, out_dir)
+    if not core:
+        main_resume(checkpoint, out_dir)
 
 
 def main_resume(checkpoint: str, out_dir: str) -> None:
@@ -204,8 +211,8 @@ if __name__ == "__main__":
     counts = count_flushes()
     if "grpo" in parts:
         main_grpo(checkpoint, out_dir, counts)
-    if "ppo" in parts:
-        main_ppo(checkpoint, out_dir, counts)
+    if "ppo" in parts or "ppo-core" in parts:
+        main_ppo(checkpoint, out_dir, counts, core="ppo" not in parts)
     if "rloo" in parts:
         main_rloo(checkpoint, out_dir, counts)
     if "offline" in parts:
