@@ -215,14 +215,9 @@ def _trained_state(trainer, algo: str) -> dict:
 
 def zero3_whole(*modules):
     """DeepSpeed ZeRO-3's partitioned parameters of ``modules`` gathered whole (a no-op elsewhere)."""
-    import contextlib
+    from trl_tree.distributed.deepspeed import whole
 
-    params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params)
+    return whole([p for m in modules for p in m.parameters()])
 
 
 def main_sft(out_dir: str) -> None:

@@ -181,12 +181,11 @@ def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tenso
     makes, one tensor at a time). The state, because a bf16 weight may not move at all under a
     small learning rate, so equal weights alone do not show that the gradients were averaged; the
     moments hold those gradients."""
-    tensors = list(model.parameters())
-    zero3 = [t for t in tensors if hasattr(t, "ds_id")]
-    if zero3:  # DeepSpeed ZeRO-3: each rank holds a partition; gathered whole for the norms (a collective)
-        import deepspeed
+    from ..distributed import deepspeed as zero
 
-        with deepspeed.zero.GatheredParameters(zero3):
+    tensors = list(model.parameters())
+    if zero.zero3_parameters(tensors):  # ZeRO-3: each rank holds a partition; gathered whole (a collective)
+        with zero.whole(tensors):
             return torch.stack([t.detach().float().norm() for t in tensors]).sum()
     if optimizer is not None:
         tensors += [t for state in optimizer.state.values() for t in state.values()
