@@ -161,6 +161,14 @@ def main_rloo(checkpoint: str, out_dir: str, counts: dict) -> None:
         torch.save(completions, os.path.join(out_dir, f"{run}_completions_rank{trainer.accelerator.process_index}.pt"))
 
 
+def main_refuse(checkpoint: str, out_dir: str) -> None:
+    """PPO under a DeepSpeed config with an ``optimizer`` block: prints the refusal (``REFUSED``)."""
+    try:
+        ppo_run(checkpoint, out_dir, "shared", "packed", "micro_step", False, False)
+    except ValueError as err:
+        print("REFUSED", err)
+
+
 def _save(trainer, out_dir: str, run: str, counts: dict, before: int) -> None:
     with ddp_check.zero3_whole(trainer.model):
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -217,5 +225,7 @@ if __name__ == "__main__":
         main_rloo(checkpoint, out_dir, counts)
     if "offline" in parts:
         main_offline(sft_checkpoint, out_dir, counts)
+    if "refuse" in parts:
+        main_refuse(checkpoint, out_dir)
     if "idle" in parts:
         main_idle(checkpoint, out_dir)

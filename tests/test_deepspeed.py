@@ -27,15 +27,15 @@ GRPO = ("off-auto", "packed-micro_step", "packed-micro_step-budget", "dfs-micro_
         "dfs-accumulation")
 
 
-def zero_config(tmp_path, stage: int, processes: int = 2) -> str:
+def zero_config(tmp_path, stage: int, processes: int = 2, **extra) -> str:
     """An Accelerate config for DeepSpeed ZeRO-``stage`` on ``processes`` processes; ZeRO-3 partitions
-    every parameter (persistence threshold 0, no prefetch)."""
+    every parameter (persistence threshold 0, no prefetch); ``extra``: more DeepSpeed config blocks."""
     zero = {"stage": stage}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
                     stage3_gather_16bit_weights_on_model_save=True)
     ds = {"zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
+          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}, **extra}
     (tmp_path / f"zero{stage}.json").write_text(json.dumps(ds))
     config = tmp_path / f"zero{stage}.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
@@ -220,3 +220,18 @@ def test_bench_models_are_built_whole_under_a_zero3_config():
         del config
     with built_whole():  # no DeepSpeed config: nothing to do
         assert not is_deepspeed_zero3_enabled()
+
+
+
+def test_ppo_refuses_a_deepspeed_config_that_builds_its_own_optimizer(reference, tmp_path):
+    """DeepSpeed would build that optimizer over the policy's parameters alone, leaving the critic
+    untrained: refused at construction, naming the block to remove."""
+    _, checkpoint, _ = reference
+    optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--config_file", zero_config(tmp_path, 2, processes=1, **optimizer),
+           os.path.join(ROOT, "tests/deepspeed_check.py"), checkpoint, "-", str(tmp_path), "refuse"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED" in done.stdout and "'optimizer' block" in done.stdout, done.stdout[-2000:]
