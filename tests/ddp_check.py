@@ -113,6 +113,10 @@ def fixed_rollout(prompts, trainer):
 
 COMPLETION = 6
 
+#: ``TRL_TREE_CHECK_GPU=1``: the runs train on the launch's GPUs (NCCL) in fp32 instead of on CPU
+#: processes (gloo) in fp64 (tests/test_deepspeed_gpu.py)
+ON_GPU = os.environ.get("TRL_TREE_CHECK_GPU") == "1"
+
 
 def reward_chars(completions, **kwargs):
     """A reward that differs within every group of ``fixed_rollout``'s completions."""
@@ -142,7 +146,7 @@ def main_windows(checkpoint: str, out_dir: str, runs=WINDOW_RUNS, rows: int = 6)
 
 
 def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | None, mode: str, window: str,
-                     tag: str = "", dtype: torch.dtype = torch.float64, rows: int = 6, lora: bool = False,
+                     tag: str = "", dtype: torch.dtype | None = None, rows: int = 6, lora: bool = False,
                      save: bool = False, **extra) -> str:
     """One run of :func:`main_windows` (``extra``: more config fields, ``tag``: added to its name;
     ``rows``: per micro-step, all processes together; ``lora``: a LoRA adapter on the policy, which
@@ -153,12 +157,13 @@ def train_window_run(checkpoint: str, out_dir: str, algo: str, critic: str | Non
     from transformers import PreTrainedTokenizerFast
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = dtype or (torch.float32 if ON_GPU else torch.float64)
     assert rows % processes == 0, f"{rows} rows per micro-step do not split over {processes} processes"
     run = "-".join(x for x in (algo, critic, mode, window, tag) if x)
     common = dict(output_dir=os.path.join(out_dir, run), tree_mode=mode, tree_window=window,
                   per_device_train_batch_size=rows // processes, num_generations=4, max_completion_length=COMPLETION,
                   learning_rate=0.05, optim="sgd", max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
-                  use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+                  use_cpu=not ON_GPU, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
                   logging_steps=1, model_init_kwargs={"dtype": dtype})
     common.update(extra)
     # TrainingArguments take the launcher's mixed precision unless bf16=True: set for this run only

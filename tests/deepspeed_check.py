@@ -149,14 +149,16 @@ def main_rloo(checkpoint: str, out_dir: str, counts: dict) -> None:
             "rloo_dfs": (TreeRLOOTrainer, TreeRLOOConfig, {"tree_mode": "dfs"})}
     for run, (trainer_cls, config_cls, tree) in runs.items():
         before = counts["flushes"]
-        args = config_cls(output_dir=os.path.join(out_dir, run), **{**BASE_ARGS, "per_device_train_batch_size": 4},
+        args = config_cls(output_dir=os.path.join(out_dir, run), **{**BASE_ARGS, "per_device_train_batch_size": 4,
+                                                                         "use_cpu": not ddp_check.ON_GPU},
                           model_init_kwargs={"dtype": torch.float32}, **tree)
         torch.manual_seed(0)
         trainer = trainer_cls(model=checkpoint, reward_funcs=reward_a, args=args,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                               processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
+        start = _whole(trainer)
         trainer.train()
-        _save(trainer, out_dir, run, counts, before)
+        _save(trainer, out_dir, run, counts, before, start)
         completions = list(trainer._logs["completion"])
         torch.save(completions, os.path.join(out_dir, f"{run}_completions_rank{trainer.accelerator.process_index}.pt"))
 
@@ -169,11 +171,16 @@ def main_refuse(checkpoint: str, out_dir: str) -> None:
         print("REFUSED", err)
 
 
-def _save(trainer, out_dir: str, run: str, counts: dict, before: int) -> None:
+def _whole(trainer) -> dict:
+    """The model's parameters, whole (gathered under ZeRO-3), on the CPU."""
     with ddp_check.zero3_whole(trainer.model):
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    params["flushes"] = torch.tensor(counts["flushes"] - before)
-    torch.save(params, os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
+        return {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _save(trainer, out_dir: str, run: str, counts: dict, before: int, start: dict) -> None:
+    """A run's trained parameters, its starting ones and the step reductions DeepSpeed ran."""
+    torch.save({"params": _whole(trainer), "start": start, "flushes": counts["flushes"] - before},
+               os.path.join(out_dir, f"{run}_rank{trainer.accelerator.process_index}.pt"))
 
 
 def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
@@ -188,7 +195,7 @@ def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
     from trl_tree import TreeDPOConfig, TreeDPOTrainer, TreeSFTConfig, TreeSFTTrainer
 
     common = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=0.5, optim="sgd",
-                  max_steps=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+                  max_steps=2, use_cpu=not ddp_check.ON_GPU, bf16=False, report_to="none", save_strategy="no", seed=0,
                   disable_tqdm=True, gradient_checkpointing=False)
     runs = {"sft_stock": (SFTTrainer, SFTConfig, {}), "sft_packed": (TreeSFTTrainer, TreeSFTConfig, {}),
             "sft_dfs": (TreeSFTTrainer, TreeSFTConfig, {"tree_mode": "dfs"})}
@@ -198,8 +205,9 @@ def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
         # from the path, inside the trainer: under ZeRO-3 the weights load partitioned (zero3_init_flag)
         trainer = trainer_cls(model=checkpoint, args=args, train_dataset=dataset("turns", n=6),
                               processing_class=sft_tokenizer())
+        start = _whole(trainer)
         trainer.train()
-        _save(trainer, out_dir, run, counts, before)
+        _save(trainer, out_dir, run, counts, before, start)
     runs = {"dpo_stock": (DPOTrainer, DPOConfig, {}), "dpo_packed": (TreeDPOTrainer, TreeDPOConfig, {}),
             "dpo_dfs": (TreeDPOTrainer, TreeDPOConfig, {"tree_mode": "dfs", "tree_memory_budget": 1 << 30})}
     for run, (trainer_cls, config_cls, tree) in runs.items():
@@ -209,8 +217,9 @@ def main_offline(checkpoint: str, out_dir: str, counts: dict) -> None:
         ref = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         trainer = trainer_cls(model=checkpoint, ref_model=ref, args=args, train_dataset=pairs(8),
                               processing_class=sft_tokenizer())
+        start = _whole(trainer)
         trainer.train()
-        _save(trainer, out_dir, run, counts, before)
+        _save(trainer, out_dir, run, counts, before, start)
 
 
 if __name__ == "__main__":
