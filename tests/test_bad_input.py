@@ -185,6 +185,25 @@ def test_auto_backend_is_not_changed_by_an_installed_package(monkeypatch):
     assert backends.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
 
 
+def test_flex_is_not_chosen_below_its_smallest_head_dimension(monkeypatch):
+    """On a GPU in fp32 'auto' takes the compiled flex kernel, which Triton cannot build for heads
+    narrower than 16 (a tiny test model's 8: the lowering failed in a two-GPU check); there it takes
+    sdpa, and an explicit 'flex' is refused naming the head dimension."""
+    from trl_tree.engine.attention import backends, support
+
+    def available(name, device, dtype):
+        return (name in ("flex", "sdpa"), name)
+
+    monkeypatch.setattr(backends, "backend_available", available)
+    cuda = torch.device("cuda")
+    assert backends.resolve_backend("auto", cuda, torch.float32, head_dim=64) == "flex"
+    assert backends.resolve_backend("auto", cuda, torch.float32, head_dim=8) == "sdpa"
+    with pytest.raises(ValueError, match="head dimension of at least 16 \\(this model's is 8\\)"):
+        backends.resolve_backend("flex", cuda, torch.float32, head_dim=8)
+    assert support.attention_features(tiny_model("qwen2").config)["head_dim"] == 8
+    assert backends.resolve_backend("auto", torch.device("cpu"), torch.float32, head_dim=8) == "sdpa"
+
+
 def test_auto_takes_fa4_where_it_was_measured_faster(monkeypatch):
     """With FA4 installed on a GPU it runs on, 'auto' takes it for replayed CUDA graphs and for eager
     calls of models wide enough (by mode: backends.FA4_EAGER_MIN_HIDDEN), and keeps PyTorch's FA2 for

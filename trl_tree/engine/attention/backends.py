@@ -436,9 +436,14 @@ def fa4_pays(device: torch.device, dtype: torch.dtype, hidden_size: int | None, 
     return fa4_pair_available() and fa4_runs_on(device) and register_fa4()
 
 
+#: the compiled flex kernel's smallest head dimension: Triton's matrix product needs 16 along each
+#: side, so below it ``torch.compile(flex_attention)`` fails while lowering (a tiny test model's 8)
+FLEX_MIN_HEAD_DIM = 16
+
+
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
                     softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
-                    graphed: bool = False) -> str:
+                    graphed: bool = False, head_dim: int | None = None) -> str:
     """Resolve ``"auto"`` to the fastest backend that runs here; validate an explicit choice.
 
     auto: on CUDA in fp16/bf16, FlashAttention-4 where it was measured faster (:func:`fa4_pays`:
@@ -449,8 +454,10 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, wi
     its host-side launches being the bound. A model with attention logit soft-capping
     (``softcap``) skips the kernels that cannot apply it (``attention/support.py``); ``window`` and
     ``sinks`` are listed for the same reason (every backend takes a window; sinks only the
-    references, which auto does not pick on CUDA: they build a [U, U] mask).
+    references, which auto does not pick on CUDA: they build a [U, U] mask). A ``head_dim`` below
+    ``FLEX_MIN_HEAD_DIM`` rules flex out (sdpa instead, where nothing else runs).
     """
+    flex_runs = device.type != "cuda" or head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
     if requested == "auto":
         if softcap is None and not sinks and fa4_pays(device, dtype, hidden_size, graphed):
             return "flash"
@@ -458,12 +465,15 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, wi
         if softcap is not None:
             order = tuple(b for b in order if b != "torch_flash")
         for name in order:
-            if backend_available(name, device, dtype)[0]:
+            if (name != "flex" or flex_runs) and backend_available(name, device, dtype)[0]:
                 return name
-        return "sdpa" if device.type != "cuda" or not order else order[-1]
+        return "sdpa"
     ok, why = backend_available(requested, device, dtype)
     if not ok:
         raise ValueError(why)
+    if requested == "flex" and not flex_runs:
+        raise ValueError(f"attn_backend='flex' compiles a Triton kernel that needs a head dimension of at least "
+                         f"{FLEX_MIN_HEAD_DIM} (this model's is {head_dim}); use 'sdpa' or 'auto'")
     return requested
 
 
@@ -472,7 +482,7 @@ DFS_BACKENDS = ("torch_flash", "flash", "sdpa", "eager")
 
 def resolve_dfs_backend(requested: str, device: torch.device, dtype: torch.dtype, window: int | None = None,
                         softcap: float | None = None, sinks: bool = False, hidden_size: int | None = None,
-                        graphed: bool = False) -> str:
+                        graphed: bool = False, head_dim: int | None = None) -> str:
     """The walk's kernel: on CUDA in fp16/bf16 FlashAttention-4 where it was measured faster
     (``fa4_pays``: replayed units, or a model of ``hidden_size`` at least
     ``FA4_EAGER_MIN_HIDDEN["dfs"]``), else ``torch_flash``; ``sdpa`` elsewhere, and for a model with

@@ -27,7 +27,10 @@ SINK_BACKENDS = {"packed": ("eager", "sdpa"), "dfs": ("eager", "sdpa")}
 
 def attention_features(config) -> dict[str, object]:
     """The variants a model's attention layers use, read from its (text) config: ``window`` (the
-    sliding window if any layer slides), ``softcap`` and ``sinks``."""
+    sliding window if any layer slides), ``softcap`` and ``sinks``; and ``head_dim``, which
+    decides whether the compiled ``flex`` kernel can run at all (``backends.FLEX_MIN_HEAD_DIM``)."""
+    from ..model_parts import head_dim_of
+
     config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -39,6 +42,7 @@ def attention_features(config) -> dict[str, object]:
         "window": window,
         "softcap": getattr(config, "attn_logit_softcapping", None),
         "sinks": getattr(config, "model_type", None) == "gpt_oss",
+        "head_dim": head_dim_of(config) if getattr(config, "num_attention_heads", None) else None,
     }
 
 
