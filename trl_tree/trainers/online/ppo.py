@@ -121,10 +121,16 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         low_memory = self._fsdp2() and critic_model is not None and bool(
             getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))
         if self.accelerator.num_processes > 1 and not low_memory:
+            # through the accelerator's device: under DeepSpeed the critic is still on the CPU here (the engine
+            # moves it), where NCCL has no backend
+            device = self.accelerator.device
             with torch.no_grad():
                 for p in self.critic.parameters():
                     if not hasattr(p, "ds_id"):  # ZeRO-3 initialised a partitioned value model alike on every rank
-                        torch.distributed.broadcast(p.data, src=0)
+                        sent = p.data.to(device)
+                        torch.distributed.broadcast(sent, src=0)
+                        if sent is not p.data:
+                            p.data.copy_(sent)
         self.critic.in_engine = self._zero_stage() is not None
         if self._fsdp2():
             self.critic.sharded = True  # the policy (and an adapter in it) once the Trainer prepares it
