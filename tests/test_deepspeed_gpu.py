@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on two GPUs against DDP on the same GPUs, in fp32 over NCCL: the check
 that tests/test_deepspeed.py runs on CPU processes, on DeepSpeed's CUDA engine. Skipped without two GPUs
-(CI has none); run it through the device tool:
+(CI has none); run it through the device tool, with DeepSpeed installed there as
+``../shared/gpu/deepspeed.sh``'s header says:
 
     TRL_TREE_GPU_CHECK_OUT=docs/benchmarks/zero_update_check_2x_h200.json \\
         python -m pytest -p no:cacheprovider -n 0 tests/test_deepspeed_gpu.py
