@@ -404,6 +404,13 @@ def train_and_time(trainer) -> tuple[dict, list[dict]]:
         compiled = [round(h.get("tree/kernel_compile_time", 0.0) * 1e3, 1) for h in logs]
         if any(compiled):
             result["each_step_fa4_compile_ms"] = compiled
+        fallbacks = [int(h.get("tree/kernel_fallback_calls", 0)) for h in logs]
+        if any(fallbacks):  # calls on FA2 while their FA4 variant compiled off the step (fa4_ahead)
+            result["each_step_fa4_fallback_calls"] = fallbacks
+        epochs = int(trainer.args.num_train_epochs)
+        if epochs > 1 and len(times) % epochs == 0:  # each epoch's training steps, the first's compiles included
+            per = len(times) // epochs
+            result["epoch_s"] = [round(sum(times[i * per:(i + 1) * per]), 2) for i in range(epochs)]
     if "tree/dedup_ratio" in logs[-1]:
         result["T_over_U"] = round(logs[-1]["tree/dedup_ratio"], 3)
     return result, logs

@@ -585,15 +585,23 @@ class TreeCallsMixin:
             self._log_kernel_compiles()
 
     def _log_kernel_compiles(self) -> None:
-        """``tree/kernel_compile_time``: what FlashAttention-4 spent this step compiling kernels for
-        variants it had not run yet (the first steps, a micro-batch of an unseen layout), logged
-        wherever FA4 was loaded; a step that spent over a second says so in the log."""
-        from ..engine.attention import fa4
+        """``tree/kernel_compile_time``: what FlashAttention-4 spent in this step compiling (or loading
+        from its disk cache) kernels for variants it had not run yet; ``tree/kernel_fallback_calls``:
+        the calls that ran on PyTorch's FA2 meanwhile, their variants compiling off the step
+        (``engine/attention/fa4_ahead.py``). Logged wherever FA4 was loaded; the step's handing over
+        of variants, and a step that spent over a second compiling, say so in the log."""
+        from ..engine.attention import fa4, fa4_ahead
 
         if fa4._interface.cache_info().currsize == 0 or fa4._interface() is None:  # FA4 not in use
             return
         kernels, seconds = fa4.take_compile_time()
+        ahead = fa4_ahead.take_stats()
         self._metrics["train"]["tree/kernel_compile_time"].append(seconds)
+        self._metrics["train"]["tree/kernel_fallback_calls"].append(float(ahead["fallback_calls"]))
+        if ahead["submitted"]:
+            logger.info("%s: FlashAttention-4 met %d kernel variant(s) not built yet: compiling them off the step "
+                        "(%d in flight), their calls run on PyTorch's FA2 meanwhile (%s=0 compiles them in the step)",
+                        type(self).__name__, ahead["submitted"], ahead["pending"], fa4_ahead.ENABLE_VARIABLE)
         if seconds > 1.0:
             logger.warning(
                 "%s: FlashAttention-4 compiled %d kernel(s) in %.1f s of this step (variants not run before; later "

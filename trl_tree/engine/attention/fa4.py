@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from . import partial
+from . import fa4_ahead, partial
 
 #: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
 #: causal flag, GQA packing, split and tile choices its heuristics make from the shapes — so the
@@ -40,12 +40,15 @@ _compiles = {"kernels": 0, "seconds": 0.0}
 
 @functools.cache
 def _interface():
-    """FA4's interface module, or None where it cannot be imported."""
+    """FA4's interface module, or None where it cannot be imported; its compile caches guarded
+    (``fa4_ahead``: a miss can raise instead of compiling)."""
     os.environ.setdefault(PERSISTENT_CACHE_VARIABLE, "1")
     try:
-        return importlib.import_module("flash_attn.cute.interface")
+        module = importlib.import_module("flash_attn.cute.interface")
     except (ImportError, AttributeError, OSError, RuntimeError):
         return None
+    fa4_ahead.guard_caches(module)
+    return module
 
 
 @functools.cache
@@ -83,22 +86,63 @@ def _window(window: int | None) -> dict:
     return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
 
 
+def fwd_call(interface, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+             window: int | None = None):
+    """FA4's varlen forward as this module calls it (here and in ``fa4_ahead``'s workers)."""
+    return interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True,
+                                     **_window(window))
+
+
+def bwd_call(interface, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+             scale: float, window: int | None = None):
+    """FA4's varlen backward as this module calls it (``grad_out`` and ``lse`` contiguous)."""
+    return interface._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, causal, 0.0, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))
+
+
+def _no_dropout_state():
+    """PyTorch's FA2 backward's dropout arguments where no FA2 forward made them (unread without
+    dropout: what its forward returns then)."""
+    return torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long)
+
+
 def fa4_partial_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                         window: int | None = None):
-    """FA4's varlen forward: ``(out, lse, None)`` (no state: its backward recomputes from ``lse``)."""
-    out, lse, *_ = _counting_compiles(
-        _interface()._flash_attn_fwd, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-        max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True, **_window(window))
-    return out, lse, None
+    """FA4's varlen forward: ``(out, lse, None)`` (no state: its backward recomputes from ``lse``).
+    A variant FA4 has not built yet runs on PyTorch's FA2 while it compiles off the step (``fa4_ahead``):
+    then the state is FA2's."""
+    options = dict(max_q=max_q, max_k=max_k, causal=causal, scale=scale, window=window)
+
+    def call():
+        out, lse, *_ = _counting_compiles(fwd_call, _interface(), q, k, v, cu_q, cu_k, **options)
+        return out, lse, None
+
+    def fallback():
+        return partial.PARTIAL_KERNELS["torch_flash"][0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale,
+                                                         window=window)
+
+    return fa4_ahead.run("fwd", call, fallback, {"q": q, "k": k, "v": v}, cu_q, cu_k, options)
 
 
 def fa4_partial_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, max_q: int, max_k: int,
                          causal: bool, scale: float, window: int | None = None):
-    """``(dq, dk, dv)`` of one part given the merged ``out`` and ``lse`` (model dtype)."""
-    dq, dk, dv = _counting_compiles(
-        _interface()._flash_attn_bwd, q, k, v, out, grad_out.contiguous(), lse.contiguous(), scale, causal, 0.0,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))[:3]
-    return dq, dk, dv
+    """``(dq, dk, dv)`` of one part given the merged ``out`` and ``lse`` (model dtype); PyTorch's FA2
+    where FA4's variant is still compiling (exact either way: both rebuild the probabilities from
+    the merged ``lse``)."""
+    grad_out, lse = grad_out.contiguous(), lse.contiguous()
+    options = dict(max_q=max_q, max_k=max_k, causal=causal, scale=scale, window=window)
+
+    def call():
+        return _counting_compiles(bwd_call, _interface(), grad_out, q, k, v, out, lse, cu_q, cu_k, **options)[:3]
+
+    def fallback():
+        fa2_state = state if state is not None else _no_dropout_state()
+        return tuple(partial.PARTIAL_KERNELS["torch_flash"][1](grad_out, q, k, v, out, lse, fa2_state, cu_q, cu_k,
+                                                               max_q, max_k, causal, scale, window=window)[:3])
+
+    tensors = {"grad_out": grad_out, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    return fa4_ahead.run("bwd", call, fallback, tensors, cu_q, cu_k, options)
 
 
 #: the keyword arguments this module passes to FA4's private functions: a release that renamed any

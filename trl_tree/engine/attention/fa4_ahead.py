@@ -1,0 +1,262 @@
+"""FlashAttention-4's kernels compiled ahead, off the training step: a variant that is not built yet
+runs on PyTorch's FA2 kernels meanwhile.
+
+Why: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
+causal flag, window, GQA packing and the tile/split choices its heuristics make from the call's
+shapes — so a step whose micro-batch first meets a layout waits for the compiler, wherever in the
+epoch that is (a run's first step waited ~9 s on a fresh machine; a step deep in an epoch several
+seconds for one new variant). Which variants a run meets depends on its data; FA4's heuristics read
+the device and the shapes, so a list derived from the configuration would miss some and go stale
+with FA4's releases. So the variants are not guessed: every FA4 call first runs with FA4's compile
+caches *guarded* — a lookup that misses in memory and in FA4's disk cache raises instead of
+compiling (:class:`NotCompiled`) before any kernel of the call is launched. On a miss the call runs
+on the fallback pair (PyTorch's FA2 varlen kernels, ``partial.PARTIAL_KERNELS["torch_flash"]``:
+the same contract, built into PyTorch, exact attention like FA4's), and a worker process compiles
+that very call — the same shapes, strides, dtypes and sequence boundaries, so FA4 derives the same
+compile key — into FA4's disk cache. A later call finds it there (a load, milliseconds) and runs FA4.
+
+Workers are separate processes (``python -m trl_tree.engine.attention.fa4_ahead``, the call's
+description on stdin), not threads: the DSL's compile is Python that would hold the training
+loop's GIL, and a spawned process never re-runs the user's training script. A variant a worker
+could not make findable (its key differed, the worker failed) is compiled in the step, as without
+this module, after :data:`MAX_TRIES` tries. Off with ``TRL_TREE_FA4_COMPILE_AHEAD=0`` (and where
+FA4's disk cache is off, which the workers need to hand kernels over); never inside CUDA-graph
+capture, which needs the kernels it records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: set to 0 to compile every FA4 variant in the step that first needs it
+ENABLE_VARIABLE = "TRL_TREE_FA4_COMPILE_AHEAD"
+#: how many worker compiles one variant gets before it is compiled in the step instead
+MAX_TRIES = 2
+#: how long a worker may take (import, CUDA context, compile) before it is abandoned
+WORKER_TIMEOUT_S = 600
+
+
+class NotCompiled(Exception):
+    """An FA4 call needs a kernel that is neither in memory nor in FA4's disk cache."""
+
+
+class _Guard(threading.local):
+    active = False
+
+
+_guard = _Guard()
+
+
+class GuardedCache:
+    """FA4's compile cache (``JITCache`` / ``JITPersistentCache``) with a lookup that raises
+    :class:`NotCompiled` on a miss while :func:`guarded` is active; everything else is the cache's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def cache(self) -> dict:  # the in-memory dict ``fa4._jit_caches`` counts
+        return self.inner.cache
+
+    def __contains__(self, key) -> bool:
+        if key in self.inner:  # memory, then FA4's disk cache (loaded into memory when found there)
+            return True
+        if _guard.active:
+            raise NotCompiled
+        return False
+
+    def __getitem__(self, key):
+        return self.inner[key]
+
+    def __setitem__(self, key, fn) -> None:
+        self.inner[key] = fn
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def guard_caches(interface) -> int:
+    """Wrap every compile cache of FA4's interface module in :class:`GuardedCache` (once); returns
+    how many are guarded."""
+    guarded = 0
+    for value in list(vars(interface).values()):
+        cache = getattr(value, "compile_cache", None)
+        if cache is None:
+            continue
+        if not isinstance(cache, GuardedCache):
+            value.compile_cache = GuardedCache(cache)
+        guarded += 1
+    return guarded
+
+
+@contextmanager
+def guarded():
+    """FA4 calls in this block raise :class:`NotCompiled` instead of compiling."""
+    previous, _guard.active = _guard.active, True
+    try:
+        yield
+    finally:
+        _guard.active = previous
+
+
+def enabled() -> bool:
+    """On unless ``TRL_TREE_FA4_COMPILE_AHEAD=0`` or FA4's disk cache (the hand-over) is off."""
+    from .fa4 import PERSISTENT_CACHE_VARIABLE
+
+    return os.environ.get(ENABLE_VARIABLE, "1") != "0" and os.environ.get(PERSISTENT_CACHE_VARIABLE) == "1"
+
+
+#: counters since the last :func:`take_stats`: calls that ran the fallback, variants handed to workers,
+#: worker compiles finished (and their seconds, in the workers)
+_stats = {"fallback_calls": 0, "submitted": 0, "compiled": 0, "worker_seconds": 0.0}
+_tries: dict[tuple, int] = {}
+_pending: dict[tuple, Future] = {}
+_inline: set[tuple] = set()
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def take_stats() -> dict:
+    """What happened since the last call: ``fallback_calls``, ``submitted``, ``compiled``,
+    ``worker_seconds`` (the workers' own time, not the step's), and ``pending`` variants."""
+    with _lock:
+        taken = dict(_stats)
+        for key in ("fallback_calls", "submitted", "compiled"):
+            _stats[key] = 0
+        _stats["worker_seconds"] = 0.0
+        taken["pending"] = sum(not f.done() for f in _pending.values())
+    return taken
+
+
+def _workers() -> int:
+    """Parallel compiles: FA4's compile is one core's work; leave most cores to the training
+    processes of this host."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(4, (os.cpu_count() or 2) // (2 * local)))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="fa4-compile-ahead")
+    return _pool
+
+
+def describe(kind: str, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
+             options: dict) -> dict:
+    """What a worker needs to repeat an FA4 call: each tensor's shape, strides and dtype, the
+    sequence boundaries (read from the device: a synchronisation, once per variant handed over),
+    and the call's other arguments."""
+    device = next(iter(tensors.values())).device
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    return {"kind": kind, "device": index,
+            "tensors": {name: {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).split(".")[-1]}
+                        for name, t in tensors.items()},
+            "cu_q": cu_q.tolist(), "cu_k": cu_k.tolist(), "options": options}
+
+
+def signature(kind: str, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, options: dict) -> tuple:
+    """A variant as this module tells them apart, without reading the device: shapes, strides,
+    dtypes, the number of sequences and the other arguments (FA4's own key may split it further:
+    then a worker's compile is not found, and the variant is tried again, up to :data:`MAX_TRIES`)."""
+    return (kind, tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in tensors.items()), cu_q.numel(),
+            tuple(sorted(options.items())))
+
+
+def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
+        options: dict):
+    """``call()`` (FA4) when every kernel it needs is built; else ``fallback()``, and the variant
+    compiled ahead by a worker. Compiled in the call itself where this module is off, during
+    CUDA-graph capture, and for a variant the workers did not make findable."""
+    if not enabled() or (next(iter(tensors.values())).is_cuda and torch.cuda.is_current_stream_capturing()):
+        return call()
+    key = signature(kind, tensors, cu_q, options)
+    if key in _inline:
+        return call()
+    try:
+        with guarded():
+            return call()
+    except NotCompiled:
+        pass
+    with _lock:
+        _stats["fallback_calls"] += 1
+        future = _pending.get(key)
+        waiting = future is not None and not future.done()
+        if not waiting:
+            if future is not None and future.exception() is None and not future.result():
+                _tries[key] = MAX_TRIES  # the worker failed: no second try
+            if _tries.get(key, 0) >= MAX_TRIES:
+                _inline.add(key)
+                logger.warning("FlashAttention-4: a %s variant was not found after %d compile(s) off the step; it "
+                               "is compiled in the step instead", kind, _tries[key])
+                return call()
+            _tries[key] = _tries.get(key, 0) + 1
+            _stats["submitted"] += 1
+            _pending[key] = _executor().submit(_compile_in_worker, describe(kind, tensors, cu_q, cu_k, options))
+    try:
+        return fallback()
+    except (RuntimeError, NotImplementedError, KeyError) as e:  # no FA2 for this call (a head size it lacks)
+        _inline.add(key)
+        logger.warning("FlashAttention-4: PyTorch's FA2 cannot stand in for a %s variant while it compiles (%s); "
+                       "it is compiled in the step", kind, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return call()
+
+
+def _compile_in_worker(spec: dict) -> bool:
+    """One worker process compiles ``spec``'s call into FA4's disk cache; True when it did."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec), capture_output=True,
+                              text=True, timeout=WORKER_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        logger.warning("FlashAttention-4: compiling a %s variant off the step took over %d s", spec["kind"],
+                       WORKER_TIMEOUT_S)
+        return False
+    ok = done.returncode == 0
+    if not ok:
+        logger.warning("FlashAttention-4: compiling a %s variant off the step failed: %s", spec["kind"],
+                       done.stderr.strip().splitlines()[-1:] or done.returncode)
+    with _lock:
+        _stats["compiled"] += ok
+        _stats["worker_seconds"] += time.perf_counter() - started
+    return ok
+
+
+def compile_spec(spec: dict) -> None:
+    """In a worker: build tensors like the call's and run FA4 on them, which compiles its kernels
+    and exports them to FA4's disk cache (the values are zeros: only the kernels are kept)."""
+    from . import fa4
+
+    device = torch.device("cuda", spec["device"])
+    torch.cuda.set_device(device)
+
+    def made(name: str) -> torch.Tensor:
+        t = spec["tensors"][name]
+        return torch.empty_strided(t["shape"], t["stride"], dtype=getattr(torch, t["dtype"]), device=device).zero_()
+
+    cu_q = torch.tensor(spec["cu_q"], dtype=torch.int32, device=device)
+    cu_k = torch.tensor(spec["cu_k"], dtype=torch.int32, device=device)
+    options = spec["options"]
+    interface = fa4._interface()
+    if spec["kind"] == "fwd":
+        fa4.fwd_call(interface, made("q"), made("k"), made("v"), cu_q, cu_k, **options)
+    else:
+        fa4.bwd_call(interface, made("grad_out"), made("q"), made("k"), made("v"), made("out"), made("lse"), cu_q,
+                     cu_k, **options)
+    torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    compile_spec(json.loads(sys.stdin.read()))
