@@ -93,8 +93,8 @@ def ahead(monkeypatch):
     fa4._jit_caches.cache_clear()  # found again in this interface (functools.cache)
     monkeypatch.setenv(fa4.PERSISTENT_CACHE_VARIABLE, "1")
     monkeypatch.delenv(fa4_ahead.ENABLE_VARIABLE, raising=False)
-    for name, value in (("_tries", {}), ("_pending", {}), ("_inline", set()),
-                        ("_pool", ThreadPoolExecutor(max_workers=2))):
+    pool = ThreadPoolExecutor(max_workers=2)
+    for name, value in (("_tries", {}), ("_pending", {}), ("_inline", set())):
         monkeypatch.setattr(fa4_ahead, name, value)
     fa4_ahead.take_stats()
     state = types.SimpleNamespace(gate=threading.Event(), worker_tag="", specs=[])
@@ -112,7 +112,7 @@ def ahead(monkeypatch):
                          cu_k, **spec["options"])
         return True
 
-    monkeypatch.setattr(fa4_ahead, "_compile_in_worker", worker)
+    monkeypatch.setattr(fa4_ahead, "_submit", lambda spec: pool.submit(worker, spec))
 
     def counted_forward(*args, **kwargs):
         FALLBACKS.append("fwd")
@@ -125,16 +125,17 @@ def ahead(monkeypatch):
     monkeypatch.setitem(partial.PARTIAL_KERNELS, "torch_flash", (counted_forward, counted_backward))
     yield state
     state.gate.set()
-    fa4_ahead._pool.shutdown(wait=True)
+    pool.shutdown(wait=True)
     fa4._jit_caches.cache_clear()
 
 
-def _call(causal: bool = True, window: int | None = None):
-    """One part's forward and backward through FA4's pair: ``(out, lse, dq, dk, dv)``."""
+def _call(causal: bool = True, window: int | None = None, n: int = 7):
+    """One part's forward and backward through FA4's pair (two sequences, ``n`` tokens): ``(out, lse,
+    dq, dk, dv)``."""
     torch.manual_seed(0)
-    n, heads, kv_heads, dim = 7, 4, 2, 16
+    heads, kv_heads, dim = 4, 2, 16
     q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    cu = torch.tensor([0, 3, n], dtype=torch.int32)
     out, lse, state = fa4.fa4_partial_forward(q, k, v, cu, cu, 4, 4, causal, dim ** -0.5, window=window)
     grad = torch.randn_like(out)
     dq, dk, dv = fa4.fa4_partial_backward(grad, q, k, v, out, lse, state, cu, cu, 4, 4, causal, dim ** -0.5,
@@ -169,14 +170,15 @@ def test_an_unbuilt_variant_runs_the_fallback_while_a_worker_compiles_it(ahead):
     stats = fa4_ahead.take_stats()
     assert stats["fallback_calls"] == 2 and stats["submitted"] == 2
     _call()  # still compiling: the fallback again, not handed over twice
-    assert FALLBACKS == ["fwd", "bwd"] * 2 and fa4_ahead.take_stats()["submitted"] == 0
+    _call(n=11)  # another length: FA4's varlen kernels take it, the variant in flight covers it
+    assert FALLBACKS == ["fwd", "bwd"] * 3 and fa4_ahead.take_stats()["submitted"] == 0
     _wait(ahead)
     assert sorted(k[0] for k in COMPILED) == ["bwd", "fwd"]  # by the workers, into the disk
     COMPILED.clear()
     fa4.take_compile_time()
     for got, want in zip(_call(), reference):  # built: FA4 runs, loading its kernels from the disk
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert COMPILED == [] and FALLBACKS == ["fwd", "bwd"] * 2
+    assert COMPILED == [] and FALLBACKS == ["fwd", "bwd"] * 3
     kernels, _ = fa4.take_compile_time()
     assert kernels == 2  # the loads, counted as the step's compile time (milliseconds on a GPU)
     _call()
@@ -223,13 +225,42 @@ def test_off_compiles_in_the_call(ahead, monkeypatch):
 
 
 def test_a_worker_that_fails_is_not_tried_again(ahead, monkeypatch):
-    monkeypatch.setattr(fa4_ahead, "_compile_in_worker", lambda spec: False)
+    from concurrent.futures import Future
+
+    def failed(spec):
+        future = Future()
+        future.set_result(False)
+        return future
+
+    monkeypatch.setattr(fa4_ahead, "_submit", failed)
     _call()
-    for future in list(fa4_ahead._pending.values()):
-        future.result(10)
     _call()  # the failed variants: compiled in the call
     assert sorted(k[0] for k in COMPILED) == ["bwd", "fwd"]
     assert fa4_ahead.take_stats()["submitted"] == 2
+
+
+def test_a_worker_process_compiles_each_line_and_replies(monkeypatch, capsys):
+    """The worker's loop (``--serve``): one reply line per spec, marked among the compiler's own
+    output; a spec that fails is reported, and the loop goes on."""
+    import io
+    import json
+
+    seen = []
+
+    def compile_spec(spec):
+        print("compiler chatter")
+        if spec["kind"] == "bad":
+            raise ValueError("no such\nvariant")
+        seen.append(spec["kind"])
+
+    monkeypatch.setattr(fa4_ahead, "compile_spec", compile_spec)
+    specs = [{"kind": "fwd"}, {"kind": "bad"}, {"kind": "bwd"}]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps(s) + "\n" for s in specs)))
+    fa4_ahead.serve()
+    replies = [line for line in capsys.readouterr().out.splitlines() if line.startswith(fa4_ahead.REPLY)]
+    assert seen == ["fwd", "bwd"]
+    assert replies == [f"{fa4_ahead.REPLY} ok", f"{fa4_ahead.REPLY} fail ValueError: no such variant",
+                       f"{fa4_ahead.REPLY} ok"]
 
 
 def test_guarded_cache_passes_everything_through_when_not_guarded():
@@ -244,3 +275,18 @@ def test_guarded_cache_passes_everything_through_when_not_guarded():
     cache[("x",)] = 1
     with fa4_ahead.guarded():
         assert ("x",) in cache and cache[("x",)] == 1 and cache.cache == {("x",): 1}
+
+
+def test_the_worker_pipe_reports_a_failed_compile(monkeypatch):
+    """The real hand-over, end to end on a CPU: a worker process started by a daemon feeder thread,
+    the spec sent down its standard input, its reply read back; without a GPU its compile fails, and
+    the future says so (the training process then compiles that variant in the step)."""
+    monkeypatch.setattr(fa4_ahead, "_queue", None)
+    monkeypatch.setattr(fa4_ahead, "_workers", lambda: 1)
+    spec = {"kind": "fwd", "device": 0, "tensors": {n: {"shape": [3, 2, 16], "stride": [32, 16, 1], "dtype": "bfloat16"}
+                                                    for n in ("q", "k", "v")},
+            "cu_q": [0, 3], "cu_k": [0, 3], "options": {"max_q": 3, "max_k": 3, "causal": True, "scale": 0.25}}
+    before = fa4_ahead.take_stats()
+    assert fa4_ahead._submit(spec).result(120) is False
+    stats = fa4_ahead.take_stats()
+    assert stats["compiled"] == 0 and stats["worker_seconds"] > 0 and before["compiled"] == 0

@@ -15,11 +15,13 @@ the same contract, built into PyTorch, exact attention like FA4's), and a worker
 that very call — the same shapes, strides, dtypes and sequence boundaries, so FA4 derives the same
 compile key — into FA4's disk cache. A later call finds it there (a load, milliseconds) and runs FA4.
 
-Workers are separate processes (``python -m trl_tree.engine.attention.fa4_ahead``, the call's
-description on stdin), not threads: the DSL's compile is Python that would hold the training
-loop's GIL, and a spawned process never re-runs the user's training script. A variant a worker
-could not make findable (its key differed, the worker failed) is compiled in the step, as without
-this module, after :data:`MAX_TRIES` tries. Off with ``TRL_TREE_FA4_COMPILE_AHEAD=0`` (and where
+Workers are long-lived processes (``python -m trl_tree.engine.attention.fa4_ahead``, one call's
+description per line on stdin), not threads: the DSL's compile is Python that would hold the
+training loop's GIL, and a process started this way never re-runs the user's training script.
+One call per signature (:func:`signature`: not the token counts) is in flight at a time: calls of
+every length share FA4's varlen kernels. A variant a worker could not make findable (its key
+differed, the worker failed) is compiled in the step, as without this module, after
+:data:`MAX_TRIES` tries. Off with ``TRL_TREE_FA4_COMPILE_AHEAD=0`` (and where
 FA4's disk cache is off, which the workers need to hand kernels over); never inside CUDA-graph
 capture, which needs the kernels it records.
 """
@@ -29,11 +31,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -42,10 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: set to 0 to compile every FA4 variant in the step that first needs it
 ENABLE_VARIABLE = "TRL_TREE_FA4_COMPILE_AHEAD"
-#: how many worker compiles one variant gets before it is compiled in the step instead
-MAX_TRIES = 2
-#: how long a worker may take (import, CUDA context, compile) before it is abandoned
-WORKER_TIMEOUT_S = 600
+#: how many worker compiles one signature (:func:`signature`) gets before its variants are compiled in the step
+MAX_TRIES = 8
 
 
 class NotCompiled(Exception):
@@ -124,8 +125,11 @@ _stats = {"fallback_calls": 0, "submitted": 0, "compiled": 0, "worker_seconds": 
 _tries: dict[tuple, int] = {}
 _pending: dict[tuple, Future] = {}
 _inline: set[tuple] = set()
-_pool: ThreadPoolExecutor | None = None
+_queue: queue.Queue | None = None
 _lock = threading.Lock()
+_start_lock = threading.Lock()
+#: marks a worker's replies among whatever else the compiler prints on its standard output
+REPLY = "@@trl_tree.fa4_ahead"
 
 
 def take_stats() -> dict:
@@ -147,13 +151,6 @@ def _workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // (2 * local)))
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="fa4-compile-ahead")
-    return _pool
-
-
 def describe(kind: str, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
              options: dict) -> dict:
     """What a worker needs to repeat an FA4 call: each tensor's shape, strides and dtype, the
@@ -167,12 +164,17 @@ def describe(kind: str, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, cu
             "cu_q": cu_q.tolist(), "cu_k": cu_k.tolist(), "options": options}
 
 
-def signature(kind: str, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, options: dict) -> tuple:
-    """A variant as this module tells them apart, without reading the device: shapes, strides,
-    dtypes, the number of sequences and the other arguments (FA4's own key may split it further:
-    then a worker's compile is not found, and the variant is tried again, up to :data:`MAX_TRIES`)."""
-    return (kind, tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in tensors.items()), cu_q.numel(),
-            tuple(sorted(options.items())))
+def signature(kind: str, tensors: dict[str, torch.Tensor], options: dict) -> tuple:
+    """A variant as this module tells them apart, without reading the device and without the
+    token counts (FA4's varlen kernels take those at run time): every tensor's dtype, its sizes
+    but the tokens', whether it is contiguous; the causal flag and window. FA4's own key may split
+    one signature further (tile choices from the longest sequence): a worker's compile then does
+    not cover the next call, which is handed over in turn, up to :data:`MAX_TRIES` per signature."""
+    def sizes(name: str, t: torch.Tensor) -> tuple:
+        return tuple(t.shape[:1]) if name == "lse" else tuple(t.shape[1:])
+
+    return (kind, tuple((n, sizes(n, t), t.dtype, t.is_contiguous()) for n, t in tensors.items()),
+            options["causal"], options["window"])
 
 
 def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -182,7 +184,7 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
     CUDA-graph capture, and for a variant the workers did not make findable."""
     if not enabled() or (next(iter(tensors.values())).is_cuda and torch.cuda.is_current_stream_capturing()):
         return call()
-    key = signature(kind, tensors, cu_q, options)
+    key = signature(kind, tensors, options)
     if key in _inline:
         return call()
     try:
@@ -193,9 +195,8 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
     with _lock:
         _stats["fallback_calls"] += 1
         future = _pending.get(key)
-        waiting = future is not None and not future.done()
-        if not waiting:
-            if future is not None and future.exception() is None and not future.result():
+        if future is None or future.done():  # none in flight for this signature: hand this call over
+            if future is not None and not future.result():
                 _tries[key] = MAX_TRIES  # the worker failed: no second try
             if _tries.get(key, 0) >= MAX_TRIES:
                 _inline.add(key)
@@ -204,7 +205,7 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
                 return call()
             _tries[key] = _tries.get(key, 0) + 1
             _stats["submitted"] += 1
-            _pending[key] = _executor().submit(_compile_in_worker, describe(kind, tensors, cu_q, cu_k, options))
+            _pending[key] = _submit(describe(kind, tensors, cu_q, cu_k, options))
     try:
         return fallback()
     except (RuntimeError, NotImplementedError, KeyError) as e:  # no FA2 for this call (a head size it lacks)
@@ -214,24 +215,59 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
         return call()
 
 
-def _compile_in_worker(spec: dict) -> bool:
-    """One worker process compiles ``spec``'s call into FA4's disk cache; True when it did."""
-    started = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec), capture_output=True,
-                              text=True, timeout=WORKER_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired:
-        logger.warning("FlashAttention-4: compiling a %s variant off the step took over %d s", spec["kind"],
-                       WORKER_TIMEOUT_S)
-        return False
-    ok = done.returncode == 0
-    if not ok:
-        logger.warning("FlashAttention-4: compiling a %s variant off the step failed: %s", spec["kind"],
-                       done.stderr.strip().splitlines()[-1:] or done.returncode)
-    with _lock:
-        _stats["compiled"] += ok
-        _stats["worker_seconds"] += time.perf_counter() - started
-    return ok
+def _submit(spec: dict) -> Future:
+    """Queue ``spec`` for the workers; its future says whether it was compiled. The workers are
+    long-lived processes (each imports FA4 once), each fed by a daemon thread: an exiting training
+    process never waits for them, and a worker ends when its standard input closes."""
+    global _queue
+    with _start_lock:
+        if _queue is None:
+            _queue = queue.Queue()
+            for i in range(_workers()):
+                threading.Thread(target=_feed_worker, args=(_queue,), name=f"fa4-compile-ahead-{i}", daemon=True).start()
+    future: Future = Future()
+    _queue.put((spec, future))
+    return future
+
+
+def _feed_worker(jobs: queue.Queue) -> None:
+    """One worker process's feeder: sends it each spec and waits for its reply line."""
+    worker = None
+    while True:
+        spec, future = jobs.get()
+        started, ok = time.perf_counter(), False
+        try:
+            if worker is None or worker.poll() is not None:
+                worker = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            worker.stdin.write(json.dumps(spec) + "\n")
+            worker.stdin.flush()
+            for line in worker.stdout:
+                if line.startswith(REPLY):
+                    ok = line[len(REPLY):].strip().startswith("ok")
+                    if not ok:
+                        logger.warning("FlashAttention-4: compiling a %s variant off the step failed:%s",
+                                       spec["kind"], line[len(REPLY):].rstrip()[4:])
+                    break
+        except OSError as e:
+            logger.warning("FlashAttention-4: a compile worker could not be run (%s)", e)
+            worker = None
+        with _lock:
+            _stats["compiled"] += ok
+            _stats["worker_seconds"] += time.perf_counter() - started
+        future.set_result(ok)
+
+
+def serve() -> None:
+    """A worker: compile each spec read from standard input, one reply line each, until it closes."""
+    for line in sys.stdin:
+        try:
+            compile_spec(json.loads(line))
+            reply = "ok"
+        except Exception as e:  # reported to the training process, which then compiles in the step
+            reply = "fail " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        print(REPLY, reply, flush=True)
 
 
 def compile_spec(spec: dict) -> None:
@@ -259,4 +295,4 @@ def compile_spec(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    compile_spec(json.loads(sys.stdin.read()))
+    serve()
