@@ -413,6 +413,18 @@ def test_the_bench_records_other_jobs_on_the_gpus(monkeypatch, capsys):
     monkeypatch.setattr(common.subprocess, "run",
                         lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=f"{os.getpid()}, python, 900\n"))
     assert common.gpu_neighbours() == [] and capsys.readouterr().err == ""
+    # a process this run started (FA4's compile workers hold a CUDA context) is not another job's
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        listing = f"{os.getpid()}, python, 900\n{child.pid}, python3, 664\n"
+        monkeypatch.setattr(common.subprocess, "run",
+                            lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=listing))
+        assert common.gpu_neighbours() == [] and capsys.readouterr().err == ""
+    finally:
+        child.kill()
 
     def missing(*a, **k):
         raise FileNotFoundError("nvidia-smi")

@@ -319,18 +319,29 @@ def gpu_neighbours() -> list[dict] | str:
 
 
 def _own_processes() -> set[int]:
-    """This process, its parent (a launcher) and the parent's other children (the launch's ranks)."""
+    """This process, its parent (a launcher), the parent's other children (the launch's ranks) and
+    every process descending from those (the ranks' FlashAttention-4 compile workers,
+    ``engine/attention/fa4_ahead.py``, which hold a CUDA context)."""
     me, parent = os.getpid(), os.getppid()
-    ours = {me, parent}
+    parents: dict[int, int] = {}
     try:
         for entry in os.listdir("/proc"):
             if entry.isdigit():
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # field 4: the parent's pid
-                    ours.add(int(entry))
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: the parent's pid
+                except OSError:  # ended meanwhile
+                    continue
     except OSError:
         pass
+    ours = {me, parent} | {pid for pid, ppid in parents.items() if ppid == parent}
+    for pid in parents:
+        seen, up = set(), pid
+        while up in parents and up not in ours and up not in seen and up > 1:
+            seen.add(up)
+            up = parents[up]
+        if up in ours:
+            ours |= seen
     return ours
 
 
@@ -382,11 +393,12 @@ def _timed_steps(trainer) -> list[float]:
     return times
 
 
-def train_and_time(trainer) -> tuple[dict, list[dict]]:
+def train_and_time(trainer, epochs: int = 1) -> tuple[dict, list[dict]]:
     """Train ``trainer`` (an offline trainer's bench run) timing each ``training_step`` — the step
     without the optimizer; ``({step_ms, steps_timed, first_ms, peak_gib, loss[, T_over_U]}, logged
     steps)``, the median over the steps after the first (``first_ms``: the first, which compiles
-    kernels and grows the allocator)."""
+    kernels and grows the allocator); ``epochs``: how many passes over the data the steps make
+    (then ``epoch_s``, each pass's seconds)."""
     import statistics
 
     times = _timed_steps(trainer)
@@ -407,7 +419,6 @@ def train_and_time(trainer) -> tuple[dict, list[dict]]:
         fallbacks = [int(h.get("tree/kernel_fallback_calls", 0)) for h in logs]
         if any(fallbacks):  # calls on FA2 while their FA4 variant compiled off the step (fa4_ahead)
             result["each_step_fa4_fallback_calls"] = fallbacks
-        epochs = int(trainer.args.num_train_epochs)
         if epochs > 1 and len(times) % epochs == 0:  # each epoch's training steps, the first's compiles included
             per = len(times) // epochs
             result["epoch_s"] = [round(sum(times[i * per:(i + 1) * per]), 2) for i in range(epochs)]

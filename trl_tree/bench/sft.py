@@ -92,7 +92,7 @@ def run_mode(mode: str, shape, config, steps: int) -> dict:
     else:
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data,
                              processing_class=bench_tokenizer(config.vocab_size))
-    result, logs = train_and_time(trainer)
+    result, logs = train_and_time(trainer, epochs=2 if shape.batch_size is not None else 1)
     result["attention"] = attention
     if mode.startswith("tree"):
         result["padded_calls"] = logs[-1]["tree/padded_calls"]
