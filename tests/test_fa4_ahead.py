@@ -224,6 +224,24 @@ def test_off_compiles_in_the_call(ahead, monkeypatch):
     assert len(COMPILED) == 2 and FALLBACKS == []
 
 
+def test_graph_warm_ups_and_captures_compile_in_place(ahead, monkeypatch):
+    """CUDA graphs record the kernels their warm-ups ran: inside ``GraphRunner.capture`` FA4 compiles
+    in the call, never handing over nor falling back."""
+    from trl_tree.engine import graphs
+
+    with fa4_ahead.compiling_in_place():
+        _call()
+    assert sorted(k[0] for k in COMPILED) == ["bwd", "fwd"] and FALLBACKS == [] and ahead.specs == []
+    COMPILED.clear(), DISK.clear()
+    for cache in (fa4._interface()._flash_attn_fwd.compile_cache, fa4._interface()._flash_attn_bwd.compile_cache):
+        cache.inner.cache.clear()
+    seen = []
+    monkeypatch.setattr(graphs.GraphRunner, "_warm_up_and_capture",
+                        lambda self, *a: seen.append(fa4_ahead._guard.inline) or _call())
+    graphs.GraphRunner.capture(object.__new__(graphs.GraphRunner), None, torch.device("cpu"), lambda: ())
+    assert seen == [True] and len(COMPILED) == 2 and FALLBACKS == []
+
+
 def test_a_worker_that_fails_is_not_tried_again(ahead, monkeypatch):
     from concurrent.futures import Future
 

@@ -297,6 +297,12 @@ class GraphRunner:
         pool; the caller sets the grad mode. Warm-ups run on CUDA (lazy initialisations must happen
         outside a graph), on the CPU stand-in only with ``warm_up_on_cpu``, inside
         ``around_warm_ups()`` (what must undo their side effects)."""
+        from .attention.fa4_ahead import compiling_in_place
+
+        with compiling_in_place():  # FA4's kernels, built here: the capture records what the warm-ups ran
+            self._warm_up_and_capture(pair, device, forward, backward, warm_up_on_cpu, around_warm_ups)
+
+    def _warm_up_and_capture(self, pair, device, forward, backward, warm_up_on_cpu, around_warm_ups) -> None:
         cuda = device.type == "cuda"
         if cuda or warm_up_on_cpu:
             with around_warm_ups():

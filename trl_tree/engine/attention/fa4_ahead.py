@@ -55,6 +55,7 @@ class NotCompiled(Exception):
 
 class _Guard(threading.local):
     active = False
+    inline = False
 
 
 _guard = _Guard()
@@ -110,6 +111,18 @@ def guarded():
         yield
     finally:
         _guard.active = previous
+
+
+@contextmanager
+def compiling_in_place():
+    """FA4 calls in this block compile what they need in the call, as without this module: CUDA
+    graphs' warm-ups and capture (``engine/graphs.py``), where the warm-up must run — and so load —
+    the very kernels the capture records, and a capture cannot wait on a variant compiling elsewhere."""
+    previous, _guard.inline = _guard.inline, True
+    try:
+        yield
+    finally:
+        _guard.inline = previous
 
 
 def enabled() -> bool:
@@ -182,7 +195,8 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
     """``call()`` (FA4) when every kernel it needs is built; else ``fallback()``, and the variant
     compiled ahead by a worker. Compiled in the call itself where this module is off, during
     CUDA-graph capture, and for a variant the workers did not make findable."""
-    if not enabled() or (next(iter(tensors.values())).is_cuda and torch.cuda.is_current_stream_capturing()):
+    if (not enabled() or _guard.inline
+            or (next(iter(tensors.values())).is_cuda and torch.cuda.is_current_stream_capturing())):
         return call()
     key = signature(kind, tensors, options)
     if key in _inline:
