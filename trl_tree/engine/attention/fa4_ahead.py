@@ -4,8 +4,8 @@ runs on PyTorch's FA2 kernels meanwhile.
 Why: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
 causal flag, window, GQA packing and the tile/split choices its heuristics make from the call's
 shapes — so a step whose micro-batch first meets a layout waits for the compiler, wherever in the
-epoch that is (a run's first step waited ~9 s on a fresh machine; a step deep in an epoch several
-seconds for one new variant). Which variants a run meets depends on its data; FA4's heuristics read
+epoch that is (on a fresh machine the first step waits for several kernels, and a step deep in an
+epoch for a variant its data meets first there; docs/limitations.md). Which variants a run meets depends on its data; FA4's heuristics read
 the device and the shapes, so a list derived from the configuration would miss some and go stale
 with FA4's releases. So the variants are not guessed: every FA4 call first runs with FA4's compile
 caches *guarded* — a lookup that misses in memory and in FA4's disk cache raises instead of
@@ -22,8 +22,8 @@ One call per signature (:func:`signature`: not the token counts) is in flight at
 every length share FA4's varlen kernels. A variant a worker could not make findable (its key
 differed, the worker failed) is compiled in the step, as without this module, after
 :data:`MAX_TRIES` tries. Off with ``TRL_TREE_FA4_COMPILE_AHEAD=0`` (and where
-FA4's disk cache is off, which the workers need to hand kernels over); never inside CUDA-graph
-capture, which needs the kernels it records.
+FA4's disk cache is off, which the workers need to hand kernels over); never for CUDA graphs'
+warm-ups and capture (:func:`compiling_in_place`), which must run the kernels they record.
 """
 
 from __future__ import annotations
