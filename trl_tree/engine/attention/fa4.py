@@ -27,13 +27,8 @@ import time
 import torch
 
 from . import fa4_ahead, partial
+from .fa4_ahead import PERSISTENT_CACHE_VARIABLE, bwd_call, fwd_call  # noqa: F401 (also this module's names)
 
-#: FA4 compiles a kernel (CuTe DSL, seconds each) the first time a call needs a variant — per
-#: causal flag, GQA packing, split and tile choices its heuristics make from the shapes — so the
-#: first steps of a run, and the first micro-batch of an unseen layout, pay for compiling. FA4's own
-#: disk cache keeps compiled kernels across runs; it is off unless this variable is set, and the
-#: tree sets it (``setdefault``: a user's ``0`` keeps it off) before FA4 is imported.
-PERSISTENT_CACHE_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 #: what the calls that added kernels to FA4's caches (compiled, or loaded from its disk cache) took
 _compiles = {"kernels": 0, "seconds": 0.0}
 
@@ -79,26 +74,6 @@ def take_compile_time() -> tuple[int, float]:
     taken = (_compiles["kernels"], _compiles["seconds"])
     _compiles["kernels"], _compiles["seconds"] = 0, 0.0
     return taken
-
-
-def _window(window: int | None) -> dict:
-    """A causal sliding window in FA4's arguments: the query's row and ``window - 1`` rows back."""
-    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
-
-
-def fwd_call(interface, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
-             window: int | None = None):
-    """FA4's varlen forward as this module calls it (here and in ``fa4_ahead``'s workers)."""
-    return interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                     max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True,
-                                     **_window(window))
-
-
-def bwd_call(interface, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-             scale: float, window: int | None = None):
-    """FA4's varlen backward as this module calls it (``grad_out`` and ``lse`` contiguous)."""
-    return interface._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, causal, 0.0, cu_seqlens_q=cu_q,
-                                     cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))
 
 
 def _no_dropout_state():

@@ -43,10 +43,34 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+#: FA4's own disk cache keeps compiled kernels across runs, and hands the workers' kernels over to
+#: the training process; it is off unless this variable is set, and the tree sets it (``setdefault``:
+#: a user's ``0`` keeps it off) before FA4 is imported.
+PERSISTENT_CACHE_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 #: set to 0 to compile every FA4 variant in the step that first needs it
 ENABLE_VARIABLE = "TRL_TREE_FA4_COMPILE_AHEAD"
 #: how many worker compiles one signature (:func:`signature`) gets before its variants are compiled in the step
 MAX_TRIES = 8
+
+
+def _window(window: int | None) -> dict:
+    """A causal sliding window in FA4's arguments: the query's row and ``window - 1`` rows back."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def fwd_call(interface, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+             window: int | None = None):
+    """FA4's varlen forward as the tree calls it (``fa4.fa4_partial_forward`` and the workers here)."""
+    return interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True,
+                                     **_window(window))
+
+
+def bwd_call(interface, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+             scale: float, window: int | None = None):
+    """FA4's varlen backward as the tree calls it (``grad_out`` and ``lse`` contiguous)."""
+    return interface._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, causal, 0.0, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **_window(window))
 
 
 class NotCompiled(Exception):
@@ -127,8 +151,6 @@ def compiling_in_place():
 
 def enabled() -> bool:
     """On unless ``TRL_TREE_FA4_COMPILE_AHEAD=0`` or FA4's disk cache (the hand-over) is off."""
-    from .fa4 import PERSISTENT_CACHE_VARIABLE
-
     return os.environ.get(ENABLE_VARIABLE, "1") != "0" and os.environ.get(PERSISTENT_CACHE_VARIABLE) == "1"
 
 
@@ -287,8 +309,10 @@ def serve() -> None:
 def compile_spec(spec: dict) -> None:
     """In a worker: build tensors like the call's and run FA4 on them, which compiles its kernels
     and exports them to FA4's disk cache (the values are zeros: only the kernels are kept)."""
-    from . import fa4
+    import importlib
 
+    os.environ.setdefault(PERSISTENT_CACHE_VARIABLE, "1")
+    interface = importlib.import_module("flash_attn.cute.interface")
     device = torch.device("cuda", spec["device"])
     torch.cuda.set_device(device)
 
@@ -299,11 +323,10 @@ def compile_spec(spec: dict) -> None:
     cu_q = torch.tensor(spec["cu_q"], dtype=torch.int32, device=device)
     cu_k = torch.tensor(spec["cu_k"], dtype=torch.int32, device=device)
     options = spec["options"]
-    interface = fa4._interface()
     if spec["kind"] == "fwd":
-        fa4.fwd_call(interface, made("q"), made("k"), made("v"), cu_q, cu_k, **options)
+        fwd_call(interface, made("q"), made("k"), made("v"), cu_q, cu_k, **options)
     else:
-        fa4.bwd_call(interface, made("grad_out"), made("q"), made("k"), made("v"), made("out"), made("lse"), cu_q,
+        bwd_call(interface, made("grad_out"), made("q"), made("k"), made("v"), made("out"), made("lse"), cu_q,
                      cu_k, **options)
     torch.cuda.synchronize(device)
 
