@@ -16,8 +16,8 @@ and Gemma-2's soft-capped attention with alternating windows.
 from __future__ import annotations
 
 import argparse
-import os
 import copy
+import os
 
 import torch
 from transformers import AutoModelForCausalLM

@@ -220,14 +220,14 @@ def run(kind: str, call, fallback, tensors: dict[str, torch.Tensor], cu_q: torch
     if (not enabled() or _guard.inline
             or (next(iter(tensors.values())).is_cuda and torch.cuda.is_current_stream_capturing())):
         return call()
-    key = signature(kind, tensors, options)
-    if key in _inline:
-        return call()
-    try:
+    try:  # the common case, a built variant: nothing more on the hot path than the guarded lookups
         with guarded():
             return call()
     except NotCompiled:
         pass
+    key = signature(kind, tensors, options)
+    if key in _inline:  # given up handing it over: compiled here, once
+        return call()
     with _lock:
         _stats["fallback_calls"] += 1
         future = _pending.get(key)
