@@ -193,6 +193,36 @@ def test_trainer_bench_update_check(tmp_path, monkeypatch):
         assert results[mode]["within_bf16_rule"] and results[mode]["update_rel_err"] > 1e-4, results[mode]
 
 
+def test_local_metric_collectives_take_one_ranks_values_during_the_loss_only():
+    """``bench.trainer``'s ``+localmetrics`` (timing only): while the loss runs, the accelerator's
+    gather and reduce return this rank's values; afterwards, and after a failing loss, its own again."""
+    from types import SimpleNamespace
+
+    from trl_tree.bench.trainer import local_metric_collectives
+
+    class Accelerator:
+        def gather(self, tensor):
+            return ("gathered", tensor)
+
+        def reduce(self, tensor, reduction="mean", scale=1.0):
+            return ("reduced", tensor)
+
+    accelerator, seen = Accelerator(), []
+
+    def compute_loss(model, inputs):
+        seen.append((accelerator.gather(1), accelerator.reduce(2, reduction="sum")))
+        if inputs == "fail":
+            raise RuntimeError("loss failed")
+        return 3
+
+    loss = local_metric_collectives(SimpleNamespace(_compute_loss=compute_loss, accelerator=accelerator))
+    assert loss(None, None) == 3 and seen == [(1, 2)]
+    assert accelerator.gather(1) == ("gathered", 1) and accelerator.reduce(2) == ("reduced", 2)
+    with pytest.raises(RuntimeError, match="loss failed"):
+        loss(None, "fail")
+    assert seen[-1] == (1, 2) and accelerator.gather(1) == ("gathered", 1) and accelerator.reduce(2) == ("reduced", 2)
+
+
 def test_committed_dfs_results_render_with_their_calls():
     """The committed walk results re-render (``bench.report``), each dfs row with its model calls as
     the current planner counts them for that forest and model shape."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
-from ..data.tiny import SHAPED_FAMILIES
+from ..data.tiny import SHAPED_FAMILIES, SHAPED_SIZES
 
 
 def drop_graphs(model: torch.nn.Module) -> None:
@@ -204,7 +204,7 @@ def shaped_name(size: str, family: str = "qwen2") -> str:
 
 def add_grpo_shape_args(parser) -> None:
     """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
                         help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
                              "DeltaNet in 3 of 4 layers, tiny.shaped_config)")
@@ -289,6 +289,37 @@ def environment(kernels: str = "hf") -> dict:
         # micro-steps up to 2.4x and the tree's step ~6% (measured), so a figure taken beside one is not a result
         "gpu_neighbours": gpu_neighbours(),
     }
+
+
+def allreduce_bandwidth(sizes_mib: tuple[int, ...] = (25, 1024), iters: int = 10) -> dict | None:
+    """What NCCL reaches between this launch's ranks: one bf16 all-reduce of each size on the default
+    group, its median time and bus bandwidth as nccl-tests computes it (``bytes · 2(n-1)/n / time``)
+    — to set beside what a step's gradient average gets, which runs 25 MiB buckets during a backward.
+    A collective: every rank calls it. None in a one-process run or without a GPU."""
+    dist = torch.distributed
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    n = dist.get_world_size()
+    out = {}
+    for mib in sizes_mib:
+        x = torch.zeros(mib * 2**20 // 2, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.barrier()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(x)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = statistics.median(times)
+        out[f"{mib}_MiB"] = {"ms": round(ms, 3), "busbw_GBps": round(mib * 2**20 * 2 * (n - 1) / n / (ms * 1e-3) / 1e9, 1)}
+        del x
+    torch.cuda.empty_cache()
+    return {"processes": n, "dtype": "bf16", **out}
 
 
 def gpu_neighbours() -> list[dict] | str:
@@ -433,7 +464,7 @@ def offline_bench_parser(algo: str, modes: tuple[str, ...], doc: str, modes_help
 
     parser = argparse.ArgumentParser(prog=f"python -m trl_tree.bench.trainer --algo {algo}",
                                      description=doc.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
                         help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
                              "DeltaNet in 3 of 4 layers, tiny.shaped_config)")

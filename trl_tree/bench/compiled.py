@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..engine.compile import compile_layers, uncompile_layers
+from ..data.tiny import SHAPED_SIZES
 from .common import bench_model, environment, parameter_grads, relative_difference, step_paths, time_cuda
 from .profile import gpu_busy
 from .workloads import suite_workloads
@@ -37,7 +38,7 @@ def _write(path: str | None, size: str, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="0.5b", choices=SHAPED_SIZES)
     parser.add_argument("--workloads", default="W1,W4")
     parser.add_argument("--paths", default="trl_padded,packed,dfs", help=f"any of {', '.join(PATHS)}")
     parser.add_argument("--iters", type=int, default=5)

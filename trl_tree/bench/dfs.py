@@ -22,7 +22,7 @@ import torch
 from .. import PrefixForest, TreeOptions, tree_backward
 from ..engine.cost_model import GroupBudget
 from ..engine.dfs.plan import plan_walk
-from ..data.tiny import grpo_group
+from ..data.tiny import SHAPED_SIZES, grpo_group
 from .common import add_kernels_arg, bench_model, dump, environment, padded_step, time_cuda
 
 
@@ -98,7 +98,7 @@ def _parameters(config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--workload", default="all", choices=("grpo", "agentic", "all"))
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=None)

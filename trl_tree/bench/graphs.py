@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import PrefixForest
+from ..data.tiny import SHAPED_SIZES
 from .common import (
     add_kernels_arg,
     bench_model,
@@ -142,7 +143,7 @@ def run_workload(model, w, iters: int, dense_heads: bool = False, tables=None) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="0.5b", choices=SHAPED_SIZES)
     parser.add_argument("--workloads", default="W1,W2,W3,W4")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--out", default=None)

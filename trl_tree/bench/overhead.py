@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from ..data.tiny import SHAPED_SIZES
 from .common import add_kernels_arg, bench_model, step_paths
 from .profile import gpu_busy
 from .trie_packer import trie_packer_available, trie_packer_step
@@ -50,7 +51,7 @@ def python_profile(step, rows: int = 25) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="0.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="0.5b", choices=SHAPED_SIZES)
     parser.add_argument("--workloads", default="W1,W3")
     parser.add_argument("--out", default=None, help="also write the cProfile tables here")
     add_kernels_arg(parser)

@@ -21,7 +21,7 @@ import argparse
 import numpy as np
 
 from ..engine.forest import PrefixForest
-from ..data.tiny import shaped_config
+from ..data.tiny import SHAPED_SIZES, shaped_config
 from ..distributed.balance import METHODS, balance, imbalance, tree_cost
 from .common import dump
 
@@ -62,7 +62,7 @@ def sliced_ratio(trees: list[list[list[int]]], ranks: int) -> tuple[float, float
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--ranks", default="2,4,8")
     parser.add_argument("--groups-per-rank", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..engine.cost_model import layer_weights, step_flops
 from ..engine.model_parts import head_dim_of, kv_heads_of
-from ..data.tiny import shaped_config
+from ..data.tiny import SHAPED_SIZES, shaped_config
 from ..distributed.balance import balance
 from ..distributed.window import group_step_cost
 from .common import dump
@@ -184,7 +184,7 @@ def check(model: ScalingModel) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=("0.5b", "1.5b", "7b"))
+    parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--gpus", default="1,2,4,8,16,32")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--node-gbps", type=float, default=400.0, help="inter-node bandwidth per node, Gb/s")

@@ -52,6 +52,7 @@ from transformers import TrainerCallback
 from ..engine.dfs.graphs import unit_graph_stats
 from .common import (
     add_grpo_shape_args,
+    allreduce_bandwidth,
     add_kernels_arg,
     bench_tokenizer,
     built_whole,
@@ -284,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                              "its own, to measure that); +ctas=N, +hipri: the average's communicator with NCCL's "
                              "maxCTAs=N, on a high-priority stream; +afterbwd: its all-reduces launched right after "
                              "the backward instead of during it; +noreduce: no gradient average at all (timing only: "
-                             "what the step costs without it; the ranks' updates differ); +bucket=MB "
+                             "what the step costs without it; the ranks' updates differ); +localmetrics: TRL's per-micro-step "
+                             "metric gathers and reductions on each rank's own values (timing only: what the ranks' "
+                             "waits at them cost; the logged metrics are rank 0's); +bucket=MB "
                              "ddp_bucket_cap_mb=MB; +mem=GIB "
                              "tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without "
                              "mixed precision (the launcher's mixed_precision is overridden for that mode); "
@@ -407,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                 trainer._sync_gradients = lambda model: None
             if "+afterbwd" in flags:  # the average's all-reduces launched after the backward, not during it
                 trainer._tree_launch_in_backward = False
+            if "+localmetrics" in flags:  # timing only: TRL's per-micro-step metric collectives on this rank alone
+                trainer._compute_loss = local_metric_collectives(trainer)
             max_ctas = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("ctas=")), None)
             if (max_ctas is not None or "+hipri" in flags) and trainer._tree_reduce_group is not None:
                 trainer._tree_reduce_group = reduction_group(trainer.accelerator.device, max_ctas, "+hipri" in flags)
@@ -469,10 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     if "off" in results and not args.update_check:
         for mode, r in results.items():
             r["speedup_over_stock"] = round(results["off"]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
+    nccl = allreduce_bandwidth()  # every rank: a collective
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(results)
-    dump(args.out, {"environment": environment(args.kernels), "workload": {
+    dump(args.out, {"environment": environment(args.kernels) | ({"nccl_allreduce": nccl} if nccl else {}), "workload": {
         "model": f"{shaped_name(args.size, args.family)} (random init), "
                  f"{PRECISION_CHECKED if args.update_check else 'bf16'}, gradient checkpointing (TRL default)"
                  f"{', LoRA r=16 on all linear layers' if args.lora else ''}",
@@ -484,6 +490,25 @@ def main(argv: list[str] | None = None) -> int:
         "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
         "results": results})
     return 0
+
+
+def local_metric_collectives(trainer):
+    """The trainer's ``_compute_loss`` with the accelerator's ``gather`` and ``reduce`` taking this
+    rank's values alone while it runs: TRL's loss logs its metrics through about seven of them per
+    micro-step, each read back with ``.item()`` — points where the ranks wait for one another. Timing
+    only (``+localmetrics``): the logged metrics are then one rank's; the tree calls inside exchange
+    through ``torch.distributed`` directly and the gradients are averaged as before."""
+    compute, accelerator = trainer._compute_loss, trainer.accelerator
+
+    def local(model, inputs):
+        accelerator.gather = lambda tensor: tensor
+        accelerator.reduce = lambda tensor, reduction="sum", scale=1.0: tensor
+        try:
+            return compute(model, inputs)
+        finally:
+            del accelerator.gather, accelerator.reduce
+
+    return local
 
 
 def _is_algo_arg(argv: list[str], i: int) -> bool:

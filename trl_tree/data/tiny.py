@@ -64,7 +64,11 @@ QWEN2_SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "0.5b": (896, 4864, 24, 14, 2, 151936, 32768),
     "1.5b": (1536, 8960, 28, 12, 2, 151936, 32768),
     "7b": (3584, 18944, 28, 28, 4, 152064, 32768),
+    "14b": (5120, 13824, 48, 40, 8, 152064, 32768),
 }
+
+#: the size names ``shaped_config`` takes (the benches' ``--size`` choices)
+SHAPED_SIZES: tuple[str, ...] = tuple(QWEN2_SHAPES)
 
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 96, **overrides) -> PretrainedConfig:

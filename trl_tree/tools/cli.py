@@ -133,9 +133,9 @@ def _model_config(spec: str):
     import os
 
     from ..data.data_files import DataError
+    from ..data.tiny import SHAPED_SIZES, shaped_config
 
-    if spec.lower() in ("0.5b", "1.5b", "7b"):
-        from ..data.tiny import shaped_config
+    if spec.lower() in SHAPED_SIZES:
 
         return shaped_config(spec.lower()), f"a Qwen2.5-{spec.upper()}-shaped model"
     from transformers import AutoConfig
