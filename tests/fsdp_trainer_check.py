@@ -98,8 +98,8 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
                                    tag=f"fsdp-bf16{'-' + tag if tag else ''}", dtype=torch.float32, bf16=True, **extra)
 
 
-#: four processes, one prompt group per optimizer step (4 rows): a window would leave ranks without a
-#: tree, and under FSDP2 such windows run the micro-steps' own trees; (algo, critic, tree_mode, extra)
+#: four processes, one prompt group per optimizer step (4 rows): placed whole, a window would leave ranks
+#: without a tree; under FSDP2 its tree is cut until every rank owns a piece; (algo, critic, tree_mode, extra)
 IDLE_RANK_RUNS = (
     ("grpo", None, "dfs", {}),
     ("ppo", "shared", "packed", {"kl_coef": 0.0}),

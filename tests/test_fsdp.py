@@ -185,17 +185,18 @@ def test_ppo_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
     assert (tmp_path / "ppo-separate-packed-accumulation-fsdp-bf16" / "final" / "value_model" / "config.json").is_file()
 
 
-def test_fsdp2_window_that_would_leave_a_rank_idle_runs_the_micro_steps_trees(tmp_path):
-    """Four processes under FSDP2 and one prompt group per optimizer step: a window would leave ranks
-    without a tree, where its calls would gather and reduce the sharded model on the owners only and
-    the ranks would wait for each other forever. The trainers say so and run the micro-steps' own
-    trees instead: GRPO (dfs) and PPO (a head on the trunk, packed; a separate value model, dfs)
-    finish, the ranks agree, and the update is one process's (float64, 1e-5)."""
+def test_fsdp2_window_cuts_its_one_tree_until_every_rank_owns_a_piece(tmp_path):
+    """Four processes under FSDP2 and one prompt group per optimizer step: placed whole, the window's
+    one tree would leave three ranks without one, where its calls would gather and reduce the
+    sharded model on the owner only and the ranks would wait for each other forever. Under FSDP2
+    the placement cuts the tree until every rank owns a piece (no fallback to the micro-steps' own
+    trees, which the log would name): GRPO (dfs) and PPO (a head on the trunk, packed; a separate
+    value model, dfs) finish, the ranks agree, and the update is one process's (float64, 1e-5)."""
     import ddp_check
     import fsdp_trainer_check
 
     checkpoint, done = launch_fsdp2_check(tmp_path, 4, "idle", timeout=300)
-    assert "without a tree under FSDP2" in done.stderr
+    assert "without a tree under FSDP2" not in done.stderr
     for algo, critic, mode, extra in fsdp_trainer_check.IDLE_RANK_RUNS:
         name = ddp_check.train_window_run(checkpoint, str(tmp_path), algo, critic, "off", "auto", rows=4,
                                           gradient_accumulation_steps=1, **extra)

@@ -99,6 +99,28 @@ def test_few_large_trees_are_cut_to_balance_the_ranks():
     assert window.imbalance < whole and len(window.units) > 3  # a tree was cut in two
 
 
+def test_fsdp2_placement_cuts_trees_until_every_rank_owns_one():
+    """Four agentic tasks sharing one system prompt (one tree), each rank holding one task's rows:
+    whole, or cut where that lowers the busiest rank's cost, the tree lands on two ranks (the halves
+    tie, so a third cut lowers nothing). ``fill_ranks`` (FSDP2, which runs no window with an idle
+    rank) cuts on until every rank owns a task."""
+    system = list(range(100, 400))
+    tasks = [(system, [[1000 + 10 * k] * 30 + [k, j] * 5 for j in range(4)]) for k in range(4)]
+    layout = [[rows_of([task])] for task in tasks]
+    payloads = [encode_payload(micros, [64] * len(micros)) for micros in layout]
+
+    def view(fill: bool, rank: int = 0) -> TreeWindow:
+        return TreeWindow(layout[rank], [64], ViewOf(rank, payloads), CONFIG, True, None, False, False,
+                          fill_ranks=fill)
+
+    assert view(False).idle_ranks == [2, 3] and view(False).imbalance == 2.0
+    filled = [view(True, r) for r in range(4)]
+    assert filled[0].idle_ranks == [] and filled[0].imbalance == pytest.approx(1.0)
+    assert all(v.owner == filled[0].owner for v in filled)
+    assert sorted(v.owned for v in filled) == sorted([g for g, row in enumerate(filled[0].rows) if row.rank == r]
+                                                     for r in range(4))  # each rank owns one whole task
+
+
 def test_one_process_window_owns_everything():
     rows = rows_of([([1, 2, 3], [[4, 5], [4, 6]]), ([7, 8], [[9]])])
     window = windows([[rows, rows]])[0]

@@ -186,8 +186,11 @@ def parameter_fingerprint(model: torch.nn.Module, optimizer=None) -> torch.Tenso
 
     tensors = list(model.parameters())
     if zero.zero3_parameters(tensors):  # ZeRO-3: each rank holds a partition; gathered whole (a collective)
-        with zero.whole(tensors):
-            return torch.stack([t.detach().float().norm() for t in tensors]).sum()
+        norms = []
+        for t in tensors:  # one at a time: a 14B model gathered whole at once did not fit beside its training state
+            with zero.whole([t]):
+                norms.append(t.detach().float().norm())
+        return torch.stack(norms).sum()
     if optimizer is not None:
         tensors += [t for state in optimizer.state.values() for t in state.values()
                     if torch.is_tensor(t) and t.dim() > 0]

@@ -96,7 +96,7 @@ class TreeWindow:
 
     def __init__(self, micro_rows: list[PaddedRows], widths: list[int], exchange: RankExchange, config,
                  gradient_checkpointing: bool, token_budget: int | None, split_by_width: bool,
-                 stock_two_pass: bool, one_pass: bool = False) -> None:
+                 stock_two_pass: bool, one_pass: bool = False, fill_ranks: bool = False) -> None:
         self.micro_rows, self.exchange, self.token_budget = micro_rows, exchange, token_budget
         gathered = [decode_payload(v) for v in exchange.all_gather_ints(encode_payload(micro_rows, widths))]
         self.rows = [WindowRow(rank, m, i, tokens, first, rank_widths[m])
@@ -114,7 +114,8 @@ class TreeWindow:
             return step_flops(cost, config, gradient_checkpointing) + extra
 
         # the window's policy pass: one forward+backward where the loss is separable (``one_pass``), else two
-        self.units, costs, bins = self._place(self.units, lambda u: flops(u, not one_pass), exchange.world)
+        self.units, costs, bins = self._place(self.units, lambda u: flops(u, not one_pass), exchange.world,
+                                              fill_ranks)
         self.imbalance = imbalance(costs, bins)
         self.rank_costs = [sum(costs[u] for u in b) for b in bins]
         self.owner = [0] * len(self.rows)
@@ -144,13 +145,27 @@ class TreeWindow:
 
     # ------------------------------------------------------------------ plan
 
-    def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int):
+    def _place(self, units: list[list[int]], cost: Callable[[list[int]], float], ranks: int,
+               fill_ranks: bool = False):
         """Whole trees onto ranks (``balance``); while the busiest rank carries more than
         ``SPLIT_ABOVE`` × the mean, its heaviest tree is cut in two (rows in trie order, so each
         half keeps its shared prefixes; each half pays the prompt again) where that lowers the
-        busiest rank's cost — few large trees over many ranks cannot be balanced whole."""
+        busiest rank's cost — few large trees over many ranks cannot be balanced whole.
+
+        ``fill_ranks`` (FSDP2, which cannot run a window that leaves a rank without a tree): then
+        the heaviest tree is cut on until every rank owns one, whether or not that lowers the
+        busiest rank's cost — the other choice there is no window at all. Elsewhere an idle rank
+        is kept where cutting does not pay: the cost model undervalues a prompt computed twice
+        (measured: two agentic tasks cut over four ranks ran slower than left whole on two)."""
         costs = [cost(u) for u in units]
         bins, _, worst = balance(costs, ranks)
+
+        def cut(u: int):
+            rows = sorted(units[u], key=lambda g: trie_key(self.rows[g].tokens))
+            halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+            trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
+            return (units[:u] + halves + units[u + 1 :], trial_costs, *balance(trial_costs, ranks)[::2])
+
         for _ in range(2 * ranks):
             totals = [sum(costs[u] for u in b) for b in bins]
             if worst <= SPLIT_ABOVE:
@@ -159,15 +174,22 @@ class TreeWindow:
             cuttable = [u for u in bins[busiest] if len(units[u]) > 1]
             if not cuttable:
                 break
-            u = max(cuttable, key=costs.__getitem__)
-            rows = sorted(units[u], key=lambda g: trie_key(self.rows[g].tokens))
-            halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-            trial = units[:u] + halves + units[u + 1 :]
-            trial_costs = costs[:u] + [cost(h) for h in halves] + costs[u + 1 :]
-            trial_bins, _, trial_worst = balance(trial_costs, ranks)
+            trial, trial_costs, trial_bins, trial_worst = cut(max(cuttable, key=costs.__getitem__))
             if max(sum(trial_costs[i] for i in b) for b in trial_bins) >= max(totals):
                 break
             units, costs, bins, worst = trial, trial_costs, trial_bins, trial_worst
+        while fill_ranks and any(not b for b in bins):
+            donors = [b for b in bins if len(b) > 1]
+            if donors:  # a rank of several trees gives its smallest to an idle one: no rank's cost grows
+                donor = max(donors, key=lambda b: sum(costs[u] for u in b))
+                smallest = min(donor, key=costs.__getitem__)
+                donor.remove(smallest)
+                next(b for b in bins if not b).append(smallest)
+                continue
+            cuttable = [u for u in range(len(units)) if len(units[u]) > 1]
+            if not cuttable:  # fewer rows than ranks
+                break
+            units, costs, bins, worst = cut(max(cuttable, key=costs.__getitem__))
         return units, costs, bins
 
     @property

@@ -592,11 +592,12 @@ class TreeTrainerMixin(TreeCallsMixin):
         return logps, entropies, None
 
     def _idle_ranks_refused(self, window: TreeWindow) -> bool:
-        """Under FSDP2, a window that leaves a rank without trees (two agentic trees for four ranks)
-        is not run: its calls gather and reduce the sharded model on the trees' owners only, so the
-        ranks' collectives would differ and they would wait for each other (measured: a four-GPU W4
-        PPO step that never ended). Those micro-steps run their own trees on their own rows instead,
-        as ``tree_window="micro_step"`` does — exact, with less sharing; said once in the log."""
+        """Under FSDP2, a window that leaves a rank without trees is not run: its calls gather and
+        reduce the sharded model on the trees' owners only, so the ranks' collectives would differ
+        and they would wait for each other (measured: a four-GPU W4 PPO step that never ended). The
+        placement cuts trees until every rank owns one there (``TreeWindow(fill_ranks=True)``), so
+        this is left for a window of fewer rows than ranks: its micro-steps run their own trees on
+        their own rows, as ``tree_window="micro_step"`` does — exact, with less sharing; said once."""
         if not self._fsdp2() or not window.idle_ranks:
             return False
         if not getattr(self, "_tree_idle_ranks_said", False):
@@ -614,9 +615,11 @@ class TreeTrainerMixin(TreeCallsMixin):
         """A window over ``micro_rows`` for ``model`` (its config costs the trees; a length-dependent
         RoPE keeps rows of different padded widths in different calls)."""
         parts = model_parts(model)
+        # FSDP2 runs no window that leaves a rank without a tree (``_idle_ranks_refused``): there the
+        # trees are cut until every rank owns one
         return TreeWindow(micro_rows, widths, exchange, parts.causal_lm.config.get_text_config(),
                           gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
-                          stock_two_pass, one_pass)
+                          stock_two_pass, one_pass, fill_ranks=self._fsdp2())
 
     def _window_one_pass(self) -> OnePassLoss | None:
         """The per-token loss of a window's policy pass in one pass; None with a critic on the
