@@ -163,7 +163,7 @@ def test_trainers_under_zero_train_stock_update(launched, family):
 
 
 @pytest.mark.parametrize("stage, example", [(3, "grpo_tree.py --mode dfs"), (2, "sft_tree.py --mode dfs"),
-                                            (3, "ppo_tree.py --mode packed --steps 3")])
+                                            (3, "ppo_tree.py --mode packed --steps 3"), (2, "dpo_tree.py --mode dfs")])
 def test_examples_run_under_the_shipped_deepspeed_configs(stage, example):
     """An example as a user launches it with ``examples/accelerate/deepspeed_zero{2,3}.yaml`` (two CPU
     processes; the configs' bf16 turned off, as the examples train in fp32 on a CPU)."""
