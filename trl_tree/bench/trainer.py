@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the backward instead of during it; +noreduce: no gradient average at all (timing only: "
                              "what the step costs without it; the ranks' updates differ); +localmetrics: TRL's per-micro-step "
                              "metric gathers and reductions on each rank's own values (timing only: what the ranks' "
-                             "waits at them cost; the logged metrics are rank 0's); +bucket=MB "
+                             "waits at them cost; the logged metrics are rank 0's); +fill: a window's trees cut until every rank "
+                             "owns one under DDP and DeepSpeed too (FSDP2 always does); +bucket=MB "
                              "ddp_bucket_cap_mb=MB; +mem=GIB "
                              "tree_memory_budget=GIB GiB (dfs: larger units, fewer of them); +fp32 trains without "
                              "mixed precision (the launcher's mixed_precision is overridden for that mode); "
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 trainer._sync_gradients = lambda model: None
             if "+afterbwd" in flags:  # the average's all-reduces launched after the backward, not during it
                 trainer._tree_launch_in_backward = False
+            if "+fill" in flags:  # a window's trees cut until every rank owns one (FSDP2 always does)
+                trainer._tree_fill_ranks = True
             if "+localmetrics" in flags:  # timing only: TRL's per-micro-step metric collectives on this rank alone
                 trainer._compute_loss = local_metric_collectives(trainer)
             max_ctas = next((int(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("ctas=")), None)

@@ -49,6 +49,10 @@ class TreeCallsMixin:
     #: the by-hand average's all-reduces start during the backward that makes their gradients final
     #: (False: right after it; ``bench.trainer``'s ``+afterbwd``)
     _tree_launch_in_backward = True
+    #: a window's trees cut until every rank owns one under DDP and DeepSpeed too (FSDP2 always does:
+    #: it cannot run a window with an idle rank); ``bench.trainer``'s ``+fill``, to measure whether it
+    #: pays there
+    _tree_fill_ranks = False
 
     # ------------------------------------------------------------------ construction
     def _setup_tree(self) -> None:

@@ -619,7 +619,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         # trees are cut until every rank owns one
         return TreeWindow(micro_rows, widths, exchange, parts.causal_lm.config.get_text_config(),
                           gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
-                          stock_two_pass, one_pass, fill_ranks=self._fsdp2())
+                          stock_two_pass, one_pass, fill_ranks=self._fsdp2() or self._tree_fill_ranks)
 
     def _window_one_pass(self) -> OnePassLoss | None:
         """The per-token loss of a window's policy pass in one pass; None with a critic on the
