@@ -178,14 +178,9 @@ class TreeWindow:
             if max(sum(trial_costs[i] for i in b) for b in trial_bins) >= max(totals):
                 break
             units, costs, bins, worst = trial, trial_costs, trial_bins, trial_worst
+        # ``balance`` leaves no rank idle once there are as many trees as ranks (LPT, tried first, gives
+        # each idle rank the next tree, and a tie keeps it), so only cutting can fill one
         while fill_ranks and any(not b for b in bins):
-            donors = [b for b in bins if len(b) > 1]
-            if donors:  # a rank of several trees gives its smallest to an idle one: no rank's cost grows
-                donor = max(donors, key=lambda b: sum(costs[u] for u in b))
-                smallest = min(donor, key=costs.__getitem__)
-                donor.remove(smallest)
-                next(b for b in bins if not b).append(smallest)
-                continue
             cuttable = [u for u in range(len(units)) if len(units[u]) > 1]
             if not cuttable:  # fewer rows than ranks
                 break
