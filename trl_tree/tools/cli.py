@@ -136,7 +136,6 @@ def _model_config(spec: str):
     from ..data.tiny import SHAPED_SIZES, shaped_config
 
     if spec.lower() in SHAPED_SIZES:
-
         return shaped_config(spec.lower()), f"a Qwen2.5-{spec.upper()}-shaped model"
     from transformers import AutoConfig
 
