@@ -70,6 +70,7 @@ def main(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from trl_tree import PrefixForest, tree_backward, tree_logprobs
+    from trl_tree.distributed import fsdp
     from trl_tree.distributed.fsdp import fsdp_modules, gathered, reduce_gradients, root_unsharded
     from trl_tree.data.tiny import tiny_model
 
@@ -111,8 +112,11 @@ def main(out_path: str) -> None:
         # (run, mode, calls per micro-step, reduce while gathered): a token budget cuts a micro-batch's rows
         # into calls, as the trainers do; the trainers reduce inside the step's last gathered block
         runs = (("packed", "packed", 1, False), ("budget", "packed", 2, False), ("dfs", "dfs", 1, False),
-                ("packed-reduced-gathered", "packed", 1, True), ("dfs-reduced-gathered", "dfs", 1, True))
+                ("packed-reduced-gathered", "packed", 1, True), ("dfs-reduced-gathered", "dfs", 1, True),
+                ("packed-reduced-by-backward", "packed", 1, False))
         for run, mode, calls, inside in runs:
+            # the reduction's fallback where torch's FSDP2 lacks the steps it runs directly: a one-token backward
+            fsdp._REDUCE_WITHOUT_BACKWARD = not run.endswith("by-backward")
             model.zero_grad(set_to_none=True)
             for key in counts:
                 counts[key] = 0

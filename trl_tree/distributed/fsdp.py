@@ -11,12 +11,14 @@ So, around the engine's backward:
   and after backward off) with gradient sync off, so the calls accumulate full-size gradients
   locally, and restores the modules' settings after;
 * :func:`reduce_gradients`, once per optimizer step, reduce-scatters what was accumulated in one
-  collective per parameter group: a one-token forward of the model, its output times zero,
-  backward with sync on (FSDP2 reduces the accumulated gradients with that backward's own, which
-  are zero). The parameters stay unsharded from that forward to its backward. The trainers call it
-  inside :func:`gathered`, with the calls that close the step, so it gathers nothing at all; where
-  those calls run inside another backward (where FSDP2's own cannot), at the step's last
-  micro-step, gathering the model once for it.
+  collective per parameter group, with sync on: FSDP2's own end-of-backward steps run directly
+  (each group's post-backward, then the root's final callback), with no backward around them, so
+  the reduction gathers nothing and costs the host no pass through the model. A torch whose FSDP2
+  lacks those steps gets the older way: a one-token forward of the model, its output times zero,
+  backward (FSDP2 reduces the accumulated gradients with that backward's own, which are zero), the
+  parameters kept unsharded from that forward to its backward. The trainers call it inside
+  :func:`gathered`, with the calls that close the step; where those calls run inside another
+  backward, at the step's last micro-step.
 
 The price is the full parameters in memory during the walk (2 bytes per parameter in bf16),
 which is what "gather once per step" means.
@@ -125,7 +127,8 @@ def _gathered(modules: list[torch.nn.Module]):
 @profiled("trl_tree.fsdp.reduce")
 def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     """Reduce-scatter the gradients accumulated under :func:`gathered` (and by FSDP2's own unsynced
-    backwards) once, through a backward with sync on (see the module docstring)."""
+    backwards) once, with sync on: FSDP2's end-of-backward steps run directly, or a one-token
+    backward where this torch lacks them (see the module docstring)."""
     modules = fsdp_modules(model)
     if not modules:
         return
@@ -133,12 +136,37 @@ def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     for m in modules:  # kept unsharded from the forward to the backward: one all-gather, not two
         _apply(m, False, True, True)
     try:
-        out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        (logits.float().sum() * 0.0).backward()
+        if not (_REDUCE_WITHOUT_BACKWARD and _reduce_without_backward(modules)):
+            out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), use_cache=False)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            (logits.float().sum() * 0.0).backward()
     finally:
         for m, settings in zip(modules, saved):
             _apply(m, *settings)
+
+
+#: whether :func:`reduce_gradients` runs FSDP2's end-of-backward steps directly (else through a one-token backward)
+_REDUCE_WITHOUT_BACKWARD = True
+
+
+def _reduce_without_backward(modules: list[torch.nn.Module]) -> bool:
+    """FSDP2's own end-of-backward steps, run where no backward runs: each parameter group's
+    post-backward (last layer first, as a backward meets them: it accumulates, reshards and
+    reduce-scatters that group's gradients) and then the root's final callback (waits for the
+    reductions and hands each parameter its sharded gradient). What the one-token backward did,
+    without the model's forward and backward around it, whose host time (the whole model's modules
+    and FSDP2's hooks, for one token) was the larger part of the reduction's. False where this
+    torch's FSDP2 lacks the steps (the caller then takes the backward)."""
+    root_state = modules[0]._get_fsdp_state()
+    final = getattr(root_state, "_root_post_backward_final_callback", None)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in modules]
+    if final is None or not all(g is None or hasattr(g, "post_backward") for g in groups):
+        return False
+    for group in reversed(groups):
+        if group is not None:
+            group.post_backward()
+    final()
+    return True
 
 
 @contextmanager
