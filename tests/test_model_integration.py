@@ -122,3 +122,22 @@ def test_flash_adapter_calls_the_varlen_api(monkeypatch):
     assert out.shape == (1, 4, 4, 8)
     assert seen == {"q": (4, 4, 8), "k": (8, 2, 8), "causal": True, "scale": 0.5, "cu_k": [0, 2, 5, 8]}
     backends._flash_kwargs_accepted.cache_clear()
+
+
+def test_the_engine_keeps_no_model_alive_once_its_user_drops_it():
+    """The engine's per-model caches must not keep a model (its parameters, its memory) alive after
+    the caller lets it go — also where a submodule reaches back to the model, as FSDP2's hooks do (each
+    layer's parameter group holds the modules; measured: every FSDP2 trainer of a process kept its model's
+    weights on the GPU until the process ended). A training-mode call fills the dropout check's cache."""
+    import gc
+    import weakref
+
+    from trl_tree.data.tiny import tiny_model
+
+    model = tiny_model("qwen2").train()
+    model.model.layers[0].self_attn.__dict__["reaches_back"] = model  # a plain attribute: no submodule registered
+    tree_backward(model, [[1, 2, 3, 4], [1, 2, 5]], weighted_loss)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None, "a cache of the engine still holds the model"

@@ -134,8 +134,11 @@ def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest,
     return parts, forest
 
 
-#: per model: its dropout modules and attention modules with a dropout rate (found once; their rates
-#: are read on every training call, the walk over the whole model is not repeated)
+#: per model: weak references to its dropout modules and attention modules with a dropout rate (found
+#: once; their rates are read on every training call, the walk over the whole model is not repeated).
+#: Weak: a strong reference from a value to a submodule keeps the key alive wherever the submodule
+#: reaches back to the model — FSDP2's hooks do (each layer's parameter group holds the modules) — and
+#: the model, its parameters and their memory would outlive every trainer that used it
 _DROPOUT_SITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -147,9 +150,9 @@ def _check_dropout(parts: ModelParts) -> None:
         return
     sites = _DROPOUT_SITES.get(model)
     if sites is None:
-        sites = [m for m in model.modules() if is_dropout_site(m)]
+        sites = tuple(weakref.ref(m) for m in model.modules() if is_dropout_site(m))
         _DROPOUT_SITES[model] = sites
-    if any(m.training and dropout_rate(m) > 0 for m in sites):
+    if any(m is not None and m.training and dropout_rate(m) > 0 for m in (site() for site in sites)):
         raise ValueError(
             f"dropout is active in training mode ({', '.join(active_dropout(model))}); the tree computes a shared "
             "token once and cannot draw one dropout mask per sequence. Set the rates to 0 (TRL's disable_dropout=True "
