@@ -81,10 +81,14 @@ def main(out_path: str) -> None:
     reference = tiny_model().double()
     counts = {"all_gather": 0, "reduce_scatter": 0}
     # FSDP2's collectives (torch.distributed.fsdp._fully_shard._fsdp_collectives call them through
-    # ``torch.distributed``); gloo has no reduce-scatter, where FSDP2 reduces with all_reduce
-    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter"),
+    # ``torch.distributed``; the names differ between torch releases: the *_single ones are newer); gloo has no
+    # reduce-scatter, where FSDP2 reduces with all_reduce
+    for name, key in (("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather"),
+                      ("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
                       ("all_reduce", "reduce_scatter")):
-        original = getattr(dist, name)
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
 
         def counted(*args, _original=original, _key=key, **kwargs):
             counts[_key] += 1
