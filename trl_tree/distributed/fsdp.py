@@ -133,7 +133,7 @@ def reduce_gradients(model: torch.nn.Module, device: torch.device) -> None:
     if not modules:
         return
     saved = [_settings(m) for m in modules]
-    for m in modules:  # kept unsharded from the forward to the backward: one all-gather, not two
+    for m in modules:  # sync on, resharded after; the fallback's forward keeps them unsharded to its backward
         _apply(m, False, True, True)
     try:
         if not (_REDUCE_WITHOUT_BACKWARD and _reduce_without_backward(modules)):
