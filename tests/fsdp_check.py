@@ -145,6 +145,7 @@ def main(out_path: str) -> None:
                                       "reduce_gathers": counts["all_gather"] - gathers,
                                       "reduce_scatters": counts["reduce_scatter"], "groups": groups,
                                       "sharded": type(model.lm_head.weight).__name__}
+        fsdp._REDUCE_WITHOUT_BACKWARD = True  # the library's way again for what follows
         # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept
         # unsharded from the forward to the LM head's scoring, FSDP2 reducing in its backward
         model.zero_grad(set_to_none=True)

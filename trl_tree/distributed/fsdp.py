@@ -153,7 +153,10 @@ def _reduce_without_backward(modules: list[torch.nn.Module]) -> bool:
     """FSDP2's own end-of-backward steps, run where no backward runs: each parameter group's
     post-backward (last layer first, as a backward meets them: it accumulates, reshards and
     reduce-scatters that group's gradients) and then the root's final callback (waits for the
-    reductions and hands each parameter its sharded gradient). What the one-token backward did,
+    reductions and hands each parameter its sharded gradient). Each post-backward is called here, not
+    left to the callback: the callback skips a group whose state an earlier backward of the tree's
+    calls left at post-backward (a call that ran the layers past the root queues no callback to reset
+    it), and that group's gradients would stay unreduced. What the one-token backward did,
     without the model's forward and backward around it, whose host time (the whole model's modules
     and FSDP2's hooks, for one token) was the larger part of the reduction's. False where this
     torch's FSDP2 lacks the steps (the caller then takes the backward)."""
