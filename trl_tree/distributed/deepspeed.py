@@ -55,8 +55,12 @@ def deepspeed_stage(accelerator) -> int | None:
     return int(getattr(plugin, "zero_stage", 0) or 0) if plugin is not None else 0
 
 
-def missing_support() -> str | None:
-    """Why the installed DeepSpeed cannot run the tree's reduction (None: it can)."""
+def missing_support(accelerator=None) -> str | None:
+    """Why the installed DeepSpeed, or the launch's DeepSpeed settings, cannot run the tree's one
+    reduction per step (None: they can). DeepSpeed's ``coalesce_grad_reduction`` exists for every
+    stage but raises ``NotImplementedError`` inside for ZeRO stage 0 and for its ``BF16_Optimizer``
+    wrapper (ZeRO-1 with bf16 parameters and fp32 gradient accumulation): read from the launch's
+    config here, so that they are refused at construction rather than at the first step."""
     try:
         from deepspeed.runtime.engine import DeepSpeedEngine
     except ImportError:  # pragma: no cover - a DeepSpeed launch without DeepSpeed fails earlier
@@ -66,12 +70,36 @@ def missing_support() -> str | None:
 
         return (f"DeepSpeed {deepspeed.__version__} has no engine.coalesce_grad_reduction, which keeps the tree's "
                 "gradients local until the step's one reduction; install deepspeed>=0.19.8")
+    if accelerator is None:
+        return None
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    stage = deepspeed_stage(accelerator)
+    if stage == 0:
+        return ("DeepSpeed's ZeRO stage 0 has no gradient-reduction block (engine.coalesce_grad_reduction raises "
+                "for it), which the tree's one reduction per step is built on; use zero_stage 1, 2 or 3, or DDP "
+                "(examples/accelerate/multi_gpu.yaml)")
+    accum = str((config.get("data_types") or {}).get("grad_accum_dtype", "") or "").lower()
+    enabled = (config.get("bf16") or {}).get("enabled")
+    bf16 = enabled is True or str(enabled).lower() == "true" or accelerator.mixed_precision == "bf16"
+    if stage == 1 and bf16 and accum in ("fp32", "float32", "float", "torch.float32"):
+        return ("DeepSpeed wraps ZeRO-1 with bf16 parameters and fp32 gradient accumulation (data_types."
+                "grad_accum_dtype: fp32) in its BF16_Optimizer, which has no gradient-reduction block "
+                "(engine.coalesce_grad_reduction raises for it); use ZeRO-2 (zero_stage: 2), or drop "
+                "grad_accum_dtype")
     return None
 
 
 def is_engine(model) -> bool:
-    """Whether ``model`` is a ``DeepSpeedEngine`` (without importing DeepSpeed where it is absent)."""
-    return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
+    """Whether ``model`` is a ``DeepSpeedEngine`` or a subclass of it (DeepSpeed is imported only where
+    it already is: without it nothing can be an engine)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return False
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return isinstance(model, DeepSpeedEngine)
 
 
 def join_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> None:
@@ -180,6 +208,18 @@ class StepReduction:
         self.engine.set_gradient_accumulation_boundary(is_boundary=True)
         self.engine.step()
 
+    def abandon(self) -> None:
+        """After an error inside the step: the reduction block closed (DeepSpeed's exit leaves the
+        engine outside it) and what accumulated dropped, with no ``engine.step()``: the step is lost,
+        the engine usable again."""
+        if self._block is None:
+            return
+        block, self._block = self._block, None
+        try:
+            block.__exit__(None, None, None)
+        finally:
+            self.engine.zero_grad()
+
 
 def _local_grad(optimizer, param):
     getter = getattr(optimizer, "get_gradient_for_reduction", None)
@@ -224,7 +264,9 @@ class WholeParameters:
         add_hooks(self.engine)
         if self._start_hook is not None:
             offload, hook = self._start_hook
-            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(hook)
+            # first among the module's pre-hooks, where DeepSpeed registered it: it resets the step's
+            # parameter coordinator, which the fetch hook that ``add_hooks`` put back then reads
+            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(hook, prepend=True)
             self._start_hook = None
 
 

@@ -42,18 +42,71 @@ def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+# ---------------------------------------------------------------------- FSDP2's private state, in one place
+# FSDP2 has setters for what the tree changes (``set_reshard_after_forward``, ``..._after_backward``,
+# ``set_requires_gradient_sync``) but no getters, no public "reduce what accumulated" before torch 2.15
+# and no public lazy initialisation of the root: those few reads of FSDP2's state live here, each
+# checked by :func:`missing_support` at construction.
+
+
+def _groups(module) -> list:
+    """The parameter groups of one FSDP module: torch's main branch holds several per module
+    (``_fsdp_param_groups``; its ``_fsdp_param_group`` raises there for more than one)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    return [g for g in groups if g is not None]
+
+
+def missing_support() -> str | None:
+    """Why this torch's FSDP2 cannot run the tree's gather-once, reduce-once calls (None: it can):
+    the public ``FSDPModule`` methods they use, and the few private names this module reads."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule); install torch>={TORCH_FLOOR}"
+    public = ("unshard", "reshard", "set_reshard_after_forward", "set_reshard_after_backward",
+              "set_requires_gradient_sync", "_get_fsdp_state")
+    absent = [name for name in public if not hasattr(FSDPModule, name)]
+    state_cls = _state_class()
+    if state_cls is None or not hasattr(state_cls, "_lazy_init"):
+        absent.append("FSDPState._lazy_init")
+    if absent:
+        return (f"torch {torch.__version__}'s FSDP2 lacks {', '.join(absent)}, which the tree's calls under FSDP2 use "
+                f"(parameters gathered once per sequence of calls, reduced once per step); install "
+                f"torch>={TORCH_FLOOR}, or DDP / DeepSpeed")
+    return None
+
+
+#: the oldest torch the FSDP2 path was tested on (pyproject's floor; docs/limitations.md)
+TORCH_FLOOR = "2.9"
+
+
+def _state_class():
+    for where in ("torch.distributed.fsdp._fully_shard._fsdp_state", "torch.distributed._composable.fsdp._fsdp_state"):
+        try:
+            module = __import__(where, fromlist=["FSDPState"])
+        except ImportError:
+            continue
+        return getattr(module, "FSDPState", None)
+    return None
+
+
 def _settings(module) -> tuple[bool, bool, bool]:
     """(reshard after forward, reshard after backward, gradient sync) of one FSDP module, read from
     its parameter group (FSDP2 has setters, not getters); FSDP2's defaults where it has none."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None:
+    groups = _groups(module)
+    if not groups:
         return True, True, True
+    group = groups[0]
     return (group.post_forward_mesh_info is not None, bool(getattr(group, "reshard_after_backward", True)),
             bool(getattr(group, "reduce_grads", True)))
 
 
 def _apply(module, after_forward: bool, after_backward: bool, sync: bool) -> None:
-    if module._get_fsdp_state()._fsdp_param_group is None:
+    if not _groups(module):
         return
     module.set_reshard_after_forward(after_forward, recurse=False)
     module.set_reshard_after_backward(after_backward, recurse=False)
@@ -101,8 +154,7 @@ def init_root(root: torch.nn.Module) -> None:
 def _unsharded(module) -> bool:
     """Whether an FSDP module's parameters are unsharded now (kept so by :func:`root_unsharded` for a
     backward still to come, say)."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    return group is not None and bool(getattr(group, "is_unsharded", False))
+    return any(bool(getattr(group, "is_unsharded", False)) for group in _groups(module))
 
 
 @contextmanager
@@ -160,15 +212,37 @@ def _reduce_without_backward(modules: list[torch.nn.Module]) -> bool:
     without the model's forward and backward around it, whose host time (the whole model's modules
     and FSDP2's hooks, for one token) was the larger part of the reduction's. False where this
     torch's FSDP2 lacks the steps (the caller then takes the backward)."""
-    root_state = modules[0]._get_fsdp_state()
+    root = modules[0]
+    root_state = root._get_fsdp_state()
+    groups = [g for m in modules for g in _groups(m)]
+    if hasattr(root, "finalize_backward") and hasattr(root, "set_manual_backward_finalization"):
+        return _finalize(root, groups)
     final = getattr(root_state, "_root_post_backward_final_callback", None)
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in modules]
-    if final is None or not all(g is None or hasattr(g, "post_backward") for g in groups):
+    if final is None or not all(hasattr(g, "post_backward") for g in groups):
         return False
     for group in reversed(groups):
-        if group is not None:
-            group.post_backward()
+        group.post_backward()
     final()
+    return True
+
+
+def _finalize(root, groups: list) -> bool:
+    """torch >= 2.15: FSDP2's public manual backward finalization (``set_manual_backward_finalization``,
+    ``finalize_backward``) reduces what the groups accumulated and waits for it — the root's final
+    callback, called directly, now asserts that a backward set the mode. Every group is marked as
+    awaiting its post-backward (FSDP2 marks those an unsynced backward reached; a call past the root
+    leaves others unmarked), so each is reduced once, last layer first."""
+    state = root._get_fsdp_state()
+    if getattr(state, "_is_root", None) is None:  # no forward ran: nothing accumulated
+        return True
+    saved = bool(getattr(state._state_ctx, "manual_backward_finalization", False))
+    root.set_manual_backward_finalization(True)
+    try:
+        for group in groups:
+            group._post_backward_pending = True
+        root.finalize_backward()
+    finally:
+        root.set_manual_backward_finalization(saved)
     return True
 
 

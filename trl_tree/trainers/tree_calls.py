@@ -27,8 +27,7 @@ from ..engine.backward_hooks import before_last_backward
 from ..engine.compile import compile_layers
 from ..engine.api import tree_backward, tree_logprobs
 from ..engine.forest import PrefixForest
-from ..distributed import deepspeed as zero
-from ..distributed.fsdp import gathered, reduce_gradients, root_unsharded
+from ..distributed.strategy import Strategy, strategy_for
 from ..engine.model_parts import active_dropout, model_parts, trainable_parameters
 from ..engine.packed import takes_padded_path
 from .online.bridge import bridge
@@ -59,13 +58,10 @@ class TreeCallsMixin:
         """Refuse what the tree cannot compute, compile the layers where asked."""
         self._tree_sync_pending = False
         self._tree_layout_cache = None
-        self._tree_fsdp_pending = False  # FSDP2: gradients of the engine's backward await their reduction
         self._check_tree_support()
         # the by-hand gradient average's communicator, made here, where every rank passes at once
         self._tree_reduce_group = (reduction_group(self.accelerator.device) if self.accelerator.num_processes > 1
-                                   and not self._fsdp2() and self._zero_stage() is None else None)
-        self._tree_step_reduction: zero.StepReduction | None = None  # DeepSpeed: the step's one reduction
-        self._tree_whole: dict[int, zero.WholeParameters] = {}  # ZeRO-3: engines held whole this step
+                                   and self._strategy.averages_by_hand else None)
         if self.args.tree_compile_layers:  # every mode: with "off", TRL's own step on the same compiled layers
             for model in (self.model, getattr(self, "ref_model", None)):
                 if model is not None:
@@ -97,23 +93,15 @@ class TreeCallsMixin:
                 "right ones and differ from stock TRL's for padded rows (docs/trainers.md)",
                 stacklevel=3,
             )
-        if self.args.tree_cuda_graphs and self._sharded():
+        if self.args.tree_cuda_graphs and not self._strategy.averages_by_hand:
             raise ValueError(
                 f"{name}: tree_cuda_graphs replays the backward outside the distributed wrapper and averages the "
-                f"gradients itself, which is done for DDP only, not {self.accelerator.distributed_type.value}; set "
+                f"gradients itself, which is done for DDP only, not {self._strategy.name}; set "
                 "tree_cuda_graphs=False"
             )
-        if self._zero_stage() is not None:
-            why = zero.missing_support()
-            if why is not None:
-                raise ValueError(f"{name}: {why}; or tree_mode='off'")
-        two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
-        if two_pass and self._fsdp1():
-            raise ValueError(
-                f"{name}: tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
-                f"gradients themselves, which is done for DDP, FSDP2 and DeepSpeed, not {self._wrapper_name()}; use "
-                "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)"
-            )
+        why = self._strategy.refusal(args)
+        if why is not None:
+            raise ValueError(f"{name}: {why}; or tree_mode='off'")
         self._check_trainer_support()
 
     def _refuse_prompt_learning(self, model) -> None:
@@ -142,92 +130,39 @@ class TreeCallsMixin:
             raise ValueError(f"{type(self).__name__}: the tree does not support {refused[0]}; use tree_mode='off' "
                              "for stock's path")
 
-    def _sharded(self) -> bool:
-        """FSDP or DeepSpeed: they own the gradients' reduction, which the engine's own backward
-        (dfs, budgets, windows, graphs) does by hand for DDP only."""
-        return self.accelerator.distributed_type.value in ("DEEPSPEED", "FSDP")
+    @property
+    def _strategy(self) -> Strategy:
+        """The engine the model is distributed with (``distributed/strategy.py``): what holds it whole
+        for a sequence of tree calls, begins and ends a micro-step and reduces once per step. Made on
+        first use: the launch fixes it."""
+        strategy = self.__dict__.get("_tree_strategy")
+        if strategy is None:
+            def engines():
+                return (getattr(self, "model_wrapped", None), getattr(self, "deepspeed", None),
+                        getattr(self, "ref_model", None))
 
-    def _fsdp2(self) -> bool:
-        """FSDP2 (``fully_shard``): the engine's own backward runs there with ``trl_tree.distributed.fsdp``
-        (parameters gathered once per walk, one reduce per optimizer step)."""
-        return self._sharded() and bool(getattr(self.accelerator, "is_fsdp2", False))
-
-    def _fsdp1(self) -> bool:
-        """FSDP1: the one wrapper the engine's own backward is not built for."""
-        return self.accelerator.distributed_type.value == "FSDP" and not self._fsdp2()
-
-    def _zero_stage(self) -> int | None:
-        """The DeepSpeed ZeRO stage; None when DeepSpeed is not in use. Read once: every tree call
-        asks (Accelerate looks the active plugin up on each read), and the launch fixes it."""
-        if "_tree_zero_stage" not in self.__dict__:
-            self.__dict__["_tree_zero_stage"] = zero.deepspeed_stage(self.accelerator)
-        return self.__dict__["_tree_zero_stage"]
-
-    # ------------------------------------------------------------------ DeepSpeed
-    def _deepspeed_step_begins(self) -> None:
-        """At each micro-step of a tree run under DeepSpeed (``trl_tree.distributed.deepspeed``):
-        Accelerate's wrapper no longer steps in ``backward`` and the step's gradients stay local
-        until :meth:`_deepspeed_micro_step_ends` reduces them once."""
-        if self._zero_stage() is None or not self._defers_deepspeed_step():
-            return
-        zero.defer_steps(self.accelerator)
-        if self._tree_step_reduction is None:
-            self._tree_step_reduction = zero.StepReduction(self.accelerator.deepspeed_engine_wrapped.engine)
-        self._tree_step_reduction.start()
+            strategy = self.__dict__["_tree_strategy"] = strategy_for(self.accelerator, engines)
+        return strategy
 
     def _defers_deepspeed_step(self) -> bool:
         """Whether the trainer, not Accelerate's ``backward``, reduces and steps under DeepSpeed: the
         tree's modes; ``tree_mode="off"`` is stock's step."""
         return self.args.tree_mode != "off"
 
-    def _deepspeed_micro_step_ends(self) -> None:
-        """The end of a micro-step under DeepSpeed, after its last tree backward; at the optimizer
-        step's last: ZeRO-3's whole parameters partitioned again (held through the step's micro-steps,
-        so gathered once per step, not once per micro-step), then the one reduction and
-        ``engine.step()``."""
-        if not self.accelerator.sync_gradients:
-            return
-        reduction = self._tree_step_reduction
-        if reduction is not None:
-            reduction.fill_missing()  # before the release: ZeRO-3's gradients are whole-sized
-        self._release_whole()
-        if reduction is not None:
-            reduction.finish()
+    def _micro_step(self):
+        """A micro-step under the strategy: begun, ended in ``finally`` (``Strategy.micro_step``)."""
+        return self._strategy.micro_step(self._defers_deepspeed_step())
 
-    def _release_whole(self) -> None:
-        """ZeRO-3: partition again what the tree held whole (at the step's end; before TRL gathers the
-        parameters its own way, for generation)."""
-        for holder in self._tree_whole.values():
-            holder.release()
-
-    def _deepspeed_engine_of(self, model):
-        """The DeepSpeed engine that holds ``model`` (the policy's, a reference model's), or None."""
-        if zero.is_engine(model):
-            return model
-        for candidate in (getattr(self, "model_wrapped", None), getattr(self, "deepspeed", None),
-                          getattr(self, "ref_model", None)):
-            if zero.is_engine(candidate) and candidate.module is model:
-                return candidate
-        return None
-
-    @contextlib.contextmanager
-    def _whole(self, model):
-        """ZeRO-3: ``model``'s parameters whole (``WholeParameters``) for the tree calls inside; kept
-        until the optimizer step ends where the calls build a graph (its backward reads them, and the
-        step's later micro-steps call the model again), given back at the end otherwise. Every rank
-        enters it at the same calls: gathering is collective."""
-        engine = self._deepspeed_engine_of(model) if self._zero_stage() == 3 else None
-        if engine is None:
-            yield
-            return
-        holder = self._tree_whole.setdefault(id(engine), zero.WholeParameters(engine))
-        was_held = holder.held
-        holder.hold()
-        try:
-            yield
-        finally:
-            if not was_held and not torch.is_grad_enabled():
-                holder.release()
+    def _two_pass(self, differentiable: bool = True, calls: int | None = None) -> bool:
+        """Whether a differentiable tree call takes two passes (a forward, then the engine's own
+        backward through ``bridge``): the walk (dfs), and rows cut into several calls; one graph
+        otherwise. ``calls``: how many this micro-batch took; None asks whether any may (a token
+        budget may cut one). The one answer every trainer asks."""
+        if not differentiable:
+            return False
+        if calls is None:
+            return self.args.tree_mode == "dfs" or self.args.tree_token_budget is not None
+        return self.args.tree_mode == "dfs" or calls > 1
 
     def _past_ddp(self, model):
         """The model a stock loss calls for the policy's fused head: with the two-pass backward (dfs,
@@ -238,14 +173,9 @@ class TreeCallsMixin:
         which never enter DDP's forward, always have."""
         from torch.nn.parallel import DistributedDataParallel
 
-        two_pass = self.args.tree_mode == "dfs" or self.args.tree_token_budget is not None
-        if (two_pass or self._graphs_by_hand()) and isinstance(model, DistributedDataParallel):
+        if (self._two_pass() or self._graphs_by_hand()) and isinstance(model, DistributedDataParallel):
             return self._unwrapped(model)
         return model
-
-    def _wrapper_name(self) -> str:
-        kind = self.accelerator.distributed_type.value
-        return "FSDP1 (fsdp_version: 1)" if kind == "FSDP" else kind
 
     def _refuse_dropout(self, model: torch.nn.Module, what: str) -> None:
         """Refuse ``model`` (the policy, a value model) with active dropout, at construction."""
@@ -362,9 +292,8 @@ class TreeCallsMixin:
         kwargs = {**self._mode_kwargs(), **(call_kwargs or {})}
         if value_head is not None:  # the graphs replay the LM head only
             kwargs["options"] = kwargs["options"].replace(cuda_graphs=False)
-        keep_root = root_unsharded(model, reshard_after=no_graph or not torch.is_grad_enabled()) if self._fsdp2() \
-            else contextlib.nullcontext()
-        with self._whole(model), torch.no_grad() if no_graph else contextlib.nullcontext(), keep_root:
+        graph = not no_graph and torch.is_grad_enabled()
+        with self._strategy.scoring(model, graph), torch.no_grad() if no_graph else contextlib.nullcontext():
             for call, forest in zip(calls, forests):
                 out = tree_logprobs(model, forest, return_entropy=compute_entropy,
                                     score_from=rows.subset(call)[1], router=router, value_head=value_head,
@@ -393,10 +322,10 @@ class TreeCallsMixin:
         each unique token's router logits weighted by the rows through it), differentiable the same
         way; else ``aux`` is None."""
         calls, forests = self._offline_layout(rows)
-        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        two_pass = self._two_pass(differentiable, len(calls))
         call_kwargs = self._call_kwargs(rope_length)
         router = self._router() if aux_loss else None
-        with self._whole(model), self.accelerator.autocast():
+        with self._strategy.scoring(model, graph=differentiable and not two_pass), self.accelerator.autocast():
             logps, entropies, _ = self._score_calls(model, rows, calls, forests, True, two_pass or not differentiable,
                                                     router, call_kwargs, head_outputs=head_outputs)
         extra = self._tree_head_outputs
@@ -463,29 +392,19 @@ class TreeCallsMixin:
                     closes_step: bool | None = None, coupled: bool = False) -> None:
         """Each call's ``tree_backward`` with the token loss ``make_loss(where, term_index)`` builds
         for it (``rows.call_terms``: where its terms sit, and the engine's ``(seq_idx, pos)`` to their
-        index), under the trainer's autocast (and FSDP2's gathered parameters); then the gradients'
+        index), under the trainer's autocast (and the model held whole: ``Strategy.hold``); then the gradients'
         synchronisation. ``final`` (default: ``sync``): the last call's last backward arms the
         overlapped average (``_arming``; ``closes_step`` as there). ``coupled``: the loss couples
         each sequence's terms (``tree_backward(coupled=...)``, one group per sequence)."""
         final = sync if final is None else final
-        fsdp2 = self._fsdp2()
-        # FSDP2: where these calls close the optimizer step, its one reduction runs while the parameters
-        # are still gathered, so it gathers nothing again; else it waits for the step's last micro-step.
-        # Not inside another backward (the two-pass bridge's, where autograd is off): FSDP2's own
-        # backward, which the reduction is, cannot run there
-        reduce_here = final and (self.accelerator.sync_gradients if closes_step is None else closes_step) \
-            and fsdp2 and torch.is_grad_enabled()
-        with self._whole(model), self.accelerator.autocast(), gathered(model) if fsdp2 else contextlib.nullcontext():
+        with self._strategy.hold(model), self.accelerator.autocast():
             for i, (call, forest) in enumerate(zip(calls, forests)):
                 where, term_index = rows.call_terms(call)
                 with self._arming(model, final and i == len(calls) - 1, closes_step=closes_step):
                     groups = {"coupled": np.arange(len(call))} if coupled else {}
                     tree_backward(model, forest, make_loss(where, term_index), score_from=rows.subset(call)[1],
                                   with_entropy=with_entropy, router=router, value_head=value_head, **groups, **kwargs)
-            if reduce_here:
-                reduce_gradients(model, self.accelerator.device)
-        if fsdp2:
-            self._tree_fsdp_pending = not reduce_here
+        self._strategy.backward_done(model)  # FSDP2: reduced once, at the optimizer step's last micro-step
         if final:
             self._flush_average(model, closes_step=closes_step)
         if sync:
@@ -508,8 +427,8 @@ class TreeCallsMixin:
         instead, a PPO critic's), made once, in buckets of ``ddp_bucket_cap_mb`` (DDP's own setting,
         25 MiB by default); None on one process, for no ``params``, and under FSDP2 for a model (whose
         reduction is ``trl_tree.distributed.fsdp``'s; ``params`` there: what stays whole beside it)."""
-        if self.accelerator.num_processes == 1 or (self._fsdp2() and params is None) or (
-                params is not None and not params) or self._zero_stage() is not None:
+        if self.accelerator.num_processes == 1 or (params is None and not self._strategy.averages_by_hand) or (
+                params is not None and not params):
             return None
         averagers = self.__dict__.setdefault("_tree_averagers", {})
         key = id(model)
@@ -550,22 +469,13 @@ class TreeCallsMixin:
         """DDP's averaging, done by hand: the engine's backward never ran through DDP's forward
         (``grad_sync.GradientAverager``: the buckets the step's last backward did not already send,
         then the wait for all).
-        Under FSDP2 the engine's gradients were accumulated unreduced (``trl_tree.distributed.fsdp.gathered``);
-        their one reduction ran with the step's closing calls (``_walk_calls``), or runs in
-        ``training_step`` (``_reduce_pending``), outside autograd's backward."""
-        if self._fsdp2() or self._zero_stage() is not None:  # DeepSpeed: the step's reduction (StepReduction)
+        Under FSDP2 and DeepSpeed the strategy reduces once, at the end of the optimizer step's last
+        micro-step (``Strategy.micro_step``), outside autograd's backward."""
+        if not self._strategy.averages_by_hand:  # FSDP2 / DeepSpeed: the strategy's one reduction per step
             return
         if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
             return
         self._averager(model).finish()
-
-    def _reduce_pending(self, model) -> None:
-        """At an optimizer step's last micro-step under FSDP2: the one reduction of the gradients the
-        engine's own backward accumulated unreduced (``_sync_gradients``); a no-op otherwise. Each
-        trainer's ``training_step`` calls it after stock's."""
-        if self._tree_fsdp_pending and self.accelerator.sync_gradients:
-            self._tree_fsdp_pending = False
-            reduce_gradients(self._unwrapped(model), self.accelerator.device)
 
     def _add_step_time(self, started: float, loss: torch.Tensor, step_done: bool, excluded: float = 0.0) -> None:
         """``tree/fwd_bwd_time``: the seconds of an optimizer step's micro-steps since ``started``
@@ -617,11 +527,9 @@ class TreeCallsMixin:
         reduction (FSDP2), timed (``_add_step_time``); with ``tree_mode='off'`` T/U is logged as 1.0,
         so the ``tree/`` columns of a stock run line up with a tree run's."""
         started = time.perf_counter()
-        self._deepspeed_step_begins()
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._reduce_pending(model)
-        self._after_backward(model)
-        self._deepspeed_micro_step_ends()
+        with self._micro_step():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self._after_backward(model)
         if self.args.tree_mode == "off":
             self._metrics["train"]["tree/dedup_ratio"].append(1.0)
         self._add_step_time(started, loss, self.accelerator.sync_gradients)

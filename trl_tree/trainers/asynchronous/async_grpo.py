@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 
+from ...distributed.strategy import FSDP1, DeepSpeedZeRO
 from ..config import TreeArguments, as_tree_config
 from .fused_forward import tree_fused_outputs
 from ..offline.sft_rows import SFTRows
@@ -146,7 +147,8 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
         batch = row.padded_batch(self.processing_class.pad_token_id, input_ids.device)
         rows = SFTRows.from_batch(batch, type(self).__name__)
         terms = self._tree_loss_terms
-        if terms is not None and torch.is_grad_enabled() and self.args.tree_mode == "dfs" and not self._fsdp2():
+        if terms is not None and torch.is_grad_enabled() and self.args.tree_mode == "dfs" \
+                and self._strategy.averages_by_hand:
             log_probs, entropy = self._walk_with_stock_loss(model, row, rows, terms)
             return FusedCausalLMOutput(log_probs=log_probs, entropy=entropy)
         out = tree_fused_outputs(self, model, rows, batch["input_ids"].shape, batch["labels"], None, (), policy=True)
@@ -256,9 +258,8 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
                        / max(self._tree_window_tokens, 1.0))
 
     def training_step(self, model, inputs, num_items_in_batch):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._reduce_pending(model)
-        return loss
+        with self._micro_step():
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def _check_trainer_support(self) -> None:
         args = self.args
@@ -267,7 +268,8 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
                 bool(getattr(self, "aux_loss_enabled", False)),
             "tree_cuda_graphs (not verified with the async trainer; a stream's micro-batch layouts rarely repeat, so "
             "they would seldom replay)": bool(args.tree_cuda_graphs),
-            "FSDP1 or DeepSpeed (TRL's async trainer runs under FSDP2 only)": self._sharded() and not self._fsdp2(),
+            "FSDP1 or DeepSpeed (TRL's async trainer runs under FSDP2 only)":
+                isinstance(self._strategy, (FSDP1, DeepSpeedZeRO)),
         })
 
 

@@ -21,6 +21,7 @@ group-preserving shuffle, the policy's backward in one pass where its loss is wr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -81,10 +82,10 @@ class TreeTrainerMixin(TreeCallsMixin):
         """Online RL's own refusals: windows the wrapper cannot run, batch sizes that cut prompt
         groups; then the shuffle it will use, said once."""
         name = type(self).__name__
-        if self.args.tree_window == "accumulation" and self._fsdp1():
+        if self.args.tree_window == "accumulation" and not self._strategy.runs_own_backward:
             raise ValueError(
                 f"{name}: tree_window='accumulation' runs the window's backward inside the engine and synchronises "
-                f"the gradients itself, which is done for DDP, FSDP2 and DeepSpeed, not {self._wrapper_name()}; use "
+                f"the gradients itself, which is done for DDP, FSDP2 and DeepSpeed, not {self._strategy.name}; use "
                 "tree_window='micro_step' (or 'auto', which uses it there), or FSDP2 (fsdp_version: 2)"
             )
         self._check_whole_groups()
@@ -92,7 +93,7 @@ class TreeTrainerMixin(TreeCallsMixin):
 
     def _windows_on(self) -> bool:
         return (self.args.tree_mode != "off" and self.args.tree_window != "micro_step"
-                and not self._fsdp1() and not getattr(self, "_tree_window_fallback", False))
+                and self._strategy.runs_own_backward and not getattr(self, "_tree_window_fallback", False))
 
     def _window_misfit(self, why: str) -> None:
         """A batch layout accumulation windows cannot hold: an error under ``tree_window='accumulation'``;
@@ -234,7 +235,7 @@ class TreeTrainerMixin(TreeCallsMixin):
             generate_every = self.args.steps_per_generation * self.num_iterations
             generates = self._step % generate_every == 0 or self._buffered_inputs is None
             if generates:
-                self._release_whole()  # ZeRO-3: TRL's generation gathers the parameters its own way
+                self._strategy.release()  # ZeRO-3: TRL's generation gathers the parameters its own way
             if not self._regroups():
                 return super()._prepare_inputs(generation_batch)
             if generates:
@@ -266,18 +267,20 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._tree_prepare_seconds = 0.0
         self._tree_sync_pending = False
         start = time.perf_counter()
-        self._deepspeed_step_begins()
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._close_window(model)
-        self._reduce_pending(model)
-        self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
-        if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
-            self._tree_sync_pending = False
-            self._sync_gradients(self._unwrapped(model))
-        self._sync_other_gradients()
-        if self.args.tree_mode != "off":
-            self._check_finite(model, loss)
-        self._deepspeed_micro_step_ends()
+        # the strategy's micro-step: at the optimizer step's last, its one reduction (FSDP2, DeepSpeed); on an
+        # error (a non-finite loss, say) the step's state is given back in ``finally``
+        with self._micro_step():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self._close_window(model)
+            self._tree_micro_in_update = 0 if self.accelerator.sync_gradients else self._tree_micro_in_update + 1
+            if self._tree_sync_pending:  # the policy's tree call ran on the unwrapped model (_graphs_by_hand)
+                self._tree_sync_pending = False
+                self._sync_gradients(self._unwrapped(model))
+            self._sync_other_gradients()
+            if self.args.tree_mode != "off":
+                if self.accelerator.sync_gradients:
+                    self._strategy.settle()  # FSDP2: the step's reduction, so that the check reads reduced gradients
+                self._check_finite(model, loss)
         self._add_step_time(start, loss, self._step % self.current_gradient_accumulation_steps == 0,
                             self._tree_prepare_seconds)
         return loss
@@ -414,7 +417,8 @@ class TreeTrainerMixin(TreeCallsMixin):
         present = sorted(k for k, v in multimodal.items() if v is not None)
         if present:
             raise ValueError(f"{type(self).__name__}: multimodal inputs ({', '.join(present)}) are not supported")
-        with self._whole(model):  # ZeRO-3: every rank holds the model whole for its tree calls
+        # every rank holds the model whole for its tree calls (ZeRO-3; FSDP2 where they build no graph)
+        with self._strategy.scoring(model, graph=torch.is_grad_enabled()):
             return self._tree_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                   compute_entropy, compute_aux_loss)
 
@@ -434,7 +438,7 @@ class TreeTrainerMixin(TreeCallsMixin):
                 return placed
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
-        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1)
+        two_pass = self._two_pass(differentiable, len(calls))
         by_hand = differentiable and not two_pass and self._graphs_by_hand()
         if by_hand:
             self._tree_sync_pending = True
@@ -517,7 +521,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         if allowed and worth_trying:
             rows = [PaddedRows.from_padded(ids, torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1),
                                            b["completion_ids"].shape[1]) for ids, b in zip(input_ids, micro_inputs)]
-            stock_two_pass = args.tree_mode == "dfs" or args.tree_token_budget is not None
+            stock_two_pass = self._two_pass()
             window = self._new_window(self.model, rows, [ids.shape[1] for ids in input_ids], exchange,
                                       bool(args.gradient_checkpointing), stock_two_pass,
                                       one_pass=self._window_one_pass() is not None)
@@ -547,7 +551,8 @@ class TreeTrainerMixin(TreeCallsMixin):
                                             self._call_kwargs(rope_length), sync=False, final=last,
                                             closes_step=state.closes_step), None  # no values
 
-            window.one_pass("policy", [loss.constants(self, inputs) for inputs in state.inputs], run, device)
+            with self._strategy.hold(target):
+                window.one_pass("policy", [loss.constants(self, inputs) for inputs in state.inputs], run, device)
             self._log_forests(window.forests)
         if "policy" not in window.passes:
             self._metrics["train"]["tree/passes"].append(2.0)
@@ -559,7 +564,8 @@ class TreeTrainerMixin(TreeCallsMixin):
                 self._tree_backward(target, rows, calls, forests, grad_logps, grad_entropies, None, None,
                                     self._call_kwargs(rope_length), value_head, grad_values, sync=False, final=last)
 
-            window.forward("policy", self._window_scorer(target, compute_entropy, value_head), backward, device)
+            with self._strategy.hold(target):
+                window.forward("policy", self._window_scorer(target, compute_entropy, value_head), backward, device)
             self._log_forests(window.forests)
         logps, entropies, values = window.outputs("policy", micro)
         if loss is not None:  # one pass: TRL's loss runs on these for its value and metrics only
@@ -586,10 +592,26 @@ class TreeTrainerMixin(TreeCallsMixin):
         if self._idle_ranks_refused(window):
             return None
         target = self._unwrapped(model)
-        window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
+        # held on every rank around the whole pass: a rank's trees take their own number of calls (and walk
+        # units), so calls that gathered the sharded model themselves would not line up between ranks
+        with self._strategy.hold(target):
+            window.forward("forward", self._window_scorer(target, compute_entropy), None, self.accelerator.device)
         self._metrics["train"]["tree/rank_imbalance_forward"].append(window.imbalance)
         logps, entropies, _ = window.outputs("forward", 0)
         return logps, entropies, None
+
+    def _window_models(self) -> list[torch.nn.Module]:
+        """The models a window's backward calls (the policy; PPO adds a separate value model)."""
+        return [self._unwrapped(self.model)]
+
+    @contextlib.contextmanager
+    def _window_held(self):
+        """Every model of the window's backward held whole on every rank (``Strategy.hold``): a rank's
+        share of the window's trees takes its own number of calls."""
+        with contextlib.ExitStack() as stack:
+            for model in self._window_models():
+                stack.enter_context(self._strategy.hold(model))
+            yield
 
     def _idle_ranks_refused(self, window: TreeWindow) -> bool:
         """Under FSDP2, a window that leaves a rank without trees is not run: its calls gather and
@@ -598,7 +620,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         placement cuts trees until every rank owns one there (``TreeWindow(fill_ranks=True)``), so
         this is left for a window of fewer rows than ranks: its micro-steps run their own trees on
         their own rows, as ``tree_window="micro_step"`` does — exact, with less sharing; said once."""
-        if not self._fsdp2() or not window.idle_ranks:
+        if not self._strategy.fills_ranks or not window.idle_ranks:
             return False
         if not getattr(self, "_tree_idle_ranks_said", False):
             self._tree_idle_ranks_said = True
@@ -619,7 +641,7 @@ class TreeTrainerMixin(TreeCallsMixin):
         # trees are cut until every rank owns one
         return TreeWindow(micro_rows, widths, exchange, parts.causal_lm.config.get_text_config(),
                           gradient_checkpointing, self.args.tree_token_budget, bool(parts.length_dependent_rope),
-                          stock_two_pass, one_pass, fill_ranks=self._fsdp2() or self._tree_fill_ranks)
+                          stock_two_pass, one_pass, fill_ranks=self._strategy.fills_ranks or self._tree_fill_ranks)
 
     def _window_one_pass(self) -> OnePassLoss | None:
         """The per-token loss of a window's policy pass in one pass; None with a critic on the
@@ -642,7 +664,8 @@ class TreeTrainerMixin(TreeCallsMixin):
         self._tree_window = None
         if state.window is None or not state.window.passes:
             return
-        state.window.backward(self.accelerator.device)
+        with self._window_held():
+            state.window.backward(self.accelerator.device)
         self._sync_gradients(self._unwrapped(model))
 
 

@@ -44,7 +44,6 @@ from trl.trainer.utils import disable_dropout_in_model, use_adapter
 
 from ...distributed import deepspeed as zero
 from ...distributed.exchange import reduction_group
-from ...distributed.fsdp import gathered, reduce_gradients, resharded, shard_as_accelerate
 from ...engine.api import tree_value_backward, tree_values
 from ...engine.model_parts import capture_last_hidden_state, value_model_parts
 from .advantages import (
@@ -90,13 +89,10 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ construction
     def _setup_critic(self, value_model) -> None:
         args = self.args
-        if self._fsdp1():
-            raise ValueError(f"TreePPOTrainer: the critic trains under DDP (gradients averaged by hand), FSDP2 "
-                             f"(sharded, reduced by FSDP2 once per step) and DeepSpeed (in the policy's engine), not "
-                             f"{self._wrapper_name()}; use examples/accelerate/fsdp2.yaml, deepspeed_zero3.yaml or "
-                             "multi_gpu.yaml")
-        self._check_deepspeed_critic()
-        self._critic_fsdp_pending = False  # FSDP2: a separate critic's gradients await their reduction
+        strategy = self._strategy
+        why = strategy.refusal(args)  # DeepSpeed: every mode's step is the trainer's, tree_mode='off' too
+        if why is not None:
+            raise ValueError(f"TreePPOTrainer: {why}")
         policy = self._unwrapped(self.model)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         vocab = policy.get_input_embeddings().num_embeddings  # the ids the policy reads (and generates)
@@ -118,8 +114,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 compile_layers(critic_model)
         # one critic on every rank (heads drew from per-rank seeds); under FSDP2's low-memory loading the
         # other ranks hold a value model on the meta device, and sharding it hands them rank 0's weights
-        low_memory = self._fsdp2() and critic_model is not None and bool(
-            getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))
+        low_memory = critic_model is not None and getattr(strategy, "loads_on_meta", lambda: False)()
         if self.accelerator.num_processes > 1 and not low_memory:
             # through the accelerator's device: under DeepSpeed the critic is still on the CPU here (the engine
             # moves it), where NCCL has no backend
@@ -131,38 +126,13 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                         torch.distributed.broadcast(sent, src=0)
                         if sent is not p.data:
                             p.data.copy_(sent)
-        self.critic.in_engine = self._zero_stage() is not None
-        if self._fsdp2():
-            self.critic.sharded = True  # the policy (and an adapter in it) once the Trainer prepares it
-            if self.critic.kind != "separate" and self.accelerator.num_processes > 1:
-                # the head beside the sharded models is averaged by hand on a communicator of its own, as under
-                # DDP: on FSDP2's group its all-reduces, launched from the backward's hooks, would fall among the
-                # all-gathers and reduce-scatters in an order that need not be every rank's
-                self._tree_reduce_group = reduction_group(self.accelerator.device)
-            if critic_model is not None:  # the value model sharded as the policy will be, after the broadcast
-                self.critic.model = shard_as_accelerate(self.accelerator, critic_model)
-                self.critic.head = self.critic.model.score
-        if self.critic.kind == "adapter" and self.accelerator.num_processes > 1 and not self._sharded():
-            # the critic adapter is not used by the policy's DDP forward: DDP must not wait for its gradients
-            from torch.nn.parallel import DistributedDataParallel
-
-            names = [n for n, p in self.model.named_parameters() if any(p is q for q in self.critic.adapter_params
-                                                                        .values())]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, names)
-
-    def _check_deepspeed_critic(self) -> None:
-        """Under DeepSpeed: the critic's group must be in the optimizer DeepSpeed wraps, and the step is
-        the trainer's (DeepSpeed's one-reduction block) in every mode."""
-        if self._zero_stage() is None:
-            return
-        why = zero.missing_support()
-        if why is not None:
-            raise ValueError(f"TreePPOTrainer: {why}")
-        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if "optimizer" in config:
-            raise ValueError("TreePPOTrainer: the DeepSpeed config names an optimizer, which DeepSpeed builds over the "
-                             "policy's parameters alone; remove its 'optimizer' block (the trainer builds the "
-                             "optimizer from optim/learning_rate with the critic's parameter group)")
+        if (self.critic.kind != "separate" and self.accelerator.num_processes > 1 and not strategy.averages_by_hand
+                and not strategy.critic_in_engine):
+            # a head beside the sharded models is averaged by hand on a communicator of its own, as under DDP:
+            # on FSDP2's group its all-reduces, launched from the backward's hooks, would fall among the
+            # all-gathers and reduce-scatters in an order that need not be every rank's
+            self._tree_reduce_group = reduction_group(self.accelerator.device)
+        strategy.place_critic(self.critic, self.model, "TreePPOTrainer")  # where the critic trains: one place
 
     def create_optimizer(self, model=None):
         """TRL's optimizer for the policy, plus one parameter group for the critic (its own learning
@@ -180,10 +150,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         finally:
             for p, flag in zip(critic_params, saved):
                 p.requires_grad_(flag)
-        if not self._fsdp2():
+        if self._strategy.critic_group_with_optimizer(self.critic, self._unwrapped(self.model)):
             self._add_critic_group(optimizer)
-        if self._zero_stage() is not None:
-            zero.join_modules(self._unwrapped(self.model), self.critic.modules())
         return optimizer
 
     def _add_critic_group(self, optimizer) -> None:
@@ -203,20 +171,10 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         reads the optimizer's groups — the critic adapter's parameters are read again from the sharded
         policy and the critic's group is added. Under DeepSpeed, once its engine is built, the critic's
         modules are taken out of the policy again."""
-        self._separate_critic()
-        if self._fsdp2() and not getattr(self, "_critic_group_added", False):
-            if self.critic.model is not None:
-                resharded(self.critic.model)  # the optimizer takes the sharded parameters
-            self.critic.refresh_adapter(self._unwrapped(self.model))
+        if self._strategy.critic_prepared(self.critic, self._unwrapped(self.model)) \
+                and not getattr(self, "_critic_group_added", False):
             self._add_critic_group(self.optimizer if optimizer is None else optimizer)
         return super().create_scheduler(num_training_steps, optimizer)
-
-    def _separate_critic(self) -> None:
-        """DeepSpeed: once the engine holds the critic's parameters, the policy is the policy alone
-        again (generation, saving and vLLM's weight sync read it)."""
-        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        if self._zero_stage() is not None and wrapped is not None:
-            zero.separate_joined(wrapped.engine)
 
     def _defers_deepspeed_step(self) -> bool:
         """Every mode: ``tree_mode="off"`` is no stock step here, and under ZeRO-3 the critic is held
@@ -338,7 +296,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         head = self._critic_head()
         # a critic adapter under checkpointing (its recompute must run the adapter) and every critic under
         # FSDP2 (its calls gathered once, their backward inside them): the values' backward in a second pass
-        needs_active = (self.critic.kind == "adapter" and self.args.gradient_checkpointing) or self._fsdp2()
+        needs_active = ((self.critic.kind == "adapter" and self.args.gradient_checkpointing)
+                        or self._strategy.critic_second_pass)
         if self.args.tree_mode == "off":
             if differentiable and not needs_active:
                 return self._padded_values(model, head, input_ids, attention_mask, logits_to_keep, None)
@@ -363,7 +322,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         # the layout the policy's pass over the same rollouts built (``_tree_layout``)
         rows, calls, forests = self._tree_layout(input_ids, attention_mask, logits_to_keep,
                                                  None if differentiable else batch_size)
-        two_pass = differentiable and (self.args.tree_mode == "dfs" or len(calls) > 1 or needs_active)
+        two_pass = self._two_pass(differentiable, len(calls)) or (differentiable and needs_active)
         kwargs = self._value_kwargs(input_ids.shape[1])
         with contextlib.nullcontext() if differentiable and not two_pass else torch.no_grad():
             values = self._tree_values(policy, model, head, rows, calls, forests, kwargs)
@@ -415,7 +374,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                     self._tree_values_backward(policy, model, head, rows, calls, forests, grads[0],
                                                self._value_kwargs(rope_length), final=last)
 
-            window.forward("critic", score, backward, self.accelerator.device)
+            with self._critic_gathered(model):  # every rank, around the whole pass (``Strategy.hold``)
+                window.forward("critic", score, backward, self.accelerator.device)
         (values,) = window.outputs("critic", micro)
 
         def keep(grad, *_):
@@ -532,7 +492,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch):
-        self._separate_critic()
+        self._strategy.critic_prepared(self.critic, self._unwrapped(self.model))  # idempotent; DeepSpeed: separated
         if self._tree_micro_in_update == 0:
             self._zero_critic_gradients()
         if self.critic.model is not None:
@@ -556,9 +516,6 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             params = self._critic_params()
             if params:
                 self._averager(self.critic, params).finish()
-            if self._critic_fsdp_pending:  # FSDP2: the sharded value model's one reduction of the step
-                self._critic_fsdp_pending = False
-                reduce_gradients(self.critic.model, self.accelerator.device)
 
     def _critic_params(self) -> list[torch.nn.Parameter]:
         """The critic's trainable parameters that are averaged by hand: all of them under DDP (value
@@ -567,24 +524,20 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         return self.critic.replicated_parameters()
 
     def _critic_gathered(self, model):
-        """Under FSDP2, the critic's backbone model (the value model, or the policy) gathered once for
-        a sequence of calls, gradients accumulated unreduced (``distributed/fsdp.gathered``); under
-        ZeRO-3, the policy's engine — the critic's parameters with it — held whole (``_whole``)."""
-        if self._fsdp2():
-            return gathered(model)
-        if self._zero_stage() == 3:
-            return self._whole(self._unwrapped(self.model))
-        return contextlib.nullcontext()
+        """The critic's backbone model whole for a sequence of calls (``Strategy.critic_hold``: under
+        FSDP2 gathered once, under ZeRO-3 the policy's engine, which holds the critic's parameters)."""
+        return self._strategy.critic_hold(model, self._unwrapped(self.model))
 
     def _critic_reduction_pending(self) -> None:
-        """Under FSDP2, after a critic backward: its sharded gradients await the step's one reduction
-        — the value model's own, or the policy's (a critic adapter, a head on the trunk)."""
-        if not self._fsdp2():
-            return
-        if self.critic.kind == "separate":
-            self._critic_fsdp_pending = True
-        else:
-            self._tree_fsdp_pending = True
+        """After a critic backward: its gradients await the step's one reduction where the strategy
+        reduces (FSDP2: the value model's own, or the policy's for an adapter or a head on the trunk)."""
+        self._strategy.critic_backward_done(self.critic, self._unwrapped(self.model))
+
+    def _window_models(self) -> list[torch.nn.Module]:
+        models = super()._window_models()
+        if self.critic.model is not None:
+            models.append(self.critic.model)
+        return models
 
     def _clip_grad_norm(self, model):
         """Clip the policy's and the critic's gradients together (one norm), as TRL 1.12's PPO did."""
@@ -607,7 +560,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def _save_critic(self, directory: str) -> None:
         """The critic beside the policy; where it is sharded (FSDP2) or partitioned (ZeRO-3) every rank
         takes part in gathering it whole and the saving ranks write."""
-        collective = self._fsdp2() or self._zero_stage() == 3
+        collective = self._strategy.collective_save
         if self.args.should_save or collective:
             with zero.whole(self.critic.parameters()):
                 self.critic.save(directory, write=self.args.should_save)

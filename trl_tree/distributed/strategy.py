@@ -1,0 +1,386 @@
+"""One object per way a model is distributed, behind the one small interface the tree trainers call.
+
+Why: the tree's calls are not the wrapper's own single forward and backward — a walk, calls cut by a
+token budget and an accumulation window's trees run many calls per step, a different number on each
+rank — so each distributed engine needs the same few things done its own way: the model held whole
+for a sequence of tree calls, a micro-step begun and ended, the step's gradients reduced once, and
+what trains beside the policy (PPO's critic) placed beside it. Spread through the trainers as
+``if fsdp2 / if zero_stage`` branches, those decisions could not be read in one place and step state
+was left behind on an error. Here each engine is one class:
+
+* :class:`Replicated` — one process, or DDP: the tree's own backward runs past DDP's forward and its
+  gradients are averaged by hand (``grad_sync``) where there are several processes;
+* :class:`FSDP1` — refuses what runs the engine's own backward (it can run packed calls only);
+* :class:`FSDP2` — the model gathered once for a sequence of tree calls, gradients accumulated
+  unreduced and reduced once per optimizer step (``fsdp.py``);
+* :class:`DeepSpeedZeRO` — the step's gradients kept local and reduced once, ZeRO-3's model held
+  whole from a step's first tree call to its end (``deepspeed.py``).
+
+The contract every rank relies on: :meth:`Strategy.hold` is collective under the sharded engines,
+so the trainers enter it at the same points on every rank, around every sequence of tree calls
+whose count can differ between ranks (a window's passes, a walk, calls under a budget) — inside it a
+rank's calls make no collective. Every step-scoped state (reduction blocks, gathered parameters,
+removed hooks, FSDP2's settings) is restored in ``finally``: :meth:`Strategy.micro_step` ends the
+micro-step whether its body returned or raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from . import deepspeed as zero
+from . import fsdp
+
+
+class Strategy:
+    """What a tree trainer asks of the engine its model is distributed with (see the module docstring)."""
+
+    #: how the docs and the refusals name the engine
+    name = "one process"
+    #: the engine's own backward (dfs, budgets, windows, replayed graphs) runs under it
+    runs_own_backward = True
+    #: the tree's gradients are averaged by hand (``grad_sync``) over the processes: DDP's way
+    averages_by_hand = True
+    #: a window cuts trees until every rank owns one, and a window that would still leave a rank
+    #: without a tree is not run (its calls gather and reduce on the owners only)
+    fills_ranks = False
+    #: the engine reduces the critic's gradients with the policy's (its parameters are the engine's)
+    critic_in_engine = False
+    #: the critic's values take a second pass even where one graph would do (its calls gathered once)
+    critic_second_pass = False
+    #: saving what trains beside the policy is collective (every rank gathers, the saving ranks write)
+    collective_save = False
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+
+    # ------------------------------------------------------------------ construction
+    def refusal(self, args) -> str | None:
+        """Why the engine cannot run these settings' tree calls exactly (None: it can); said at construction."""
+        return None
+
+    # ------------------------------------------------------------------ calls
+    def hold(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """``model`` whole for a sequence of tree calls; collective under a sharded engine."""
+        return contextlib.nullcontext()
+
+    def scoring(self, model: torch.nn.Module, graph: bool) -> contextlib.AbstractContextManager:
+        """A sequence of scoring calls; ``graph``: they build an autograd graph whose backward runs
+        later through the wrapper's hooks (one call per micro-step on every rank)."""
+        return self.hold(model)
+
+    def backward_done(self, model: torch.nn.Module) -> None:
+        """A tree backward of ``model`` accumulated gradients that await the step's one reduction."""
+
+    def release(self) -> None:
+        """Give back what is held whole across calls (before generation gathers the model its own way)."""
+
+    # ------------------------------------------------------------------ what trains beside the policy
+    # PPO's critic (``trainers/online/critic.py``): where it lives and who reduces it, decided here alone.
+    def place_critic(self, critic, policy: torch.nn.Module, trainer_name: str) -> None:
+        """At construction, after the critic's weights were made equal on every rank: put it where this
+        engine trains it (its flags ``sharded`` / ``in_engine``, the value model sharded or registered)."""
+
+    def critic_group_with_optimizer(self, critic, policy: torch.nn.Module) -> bool:
+        """When the optimizer is built: whether the critic's parameter group joins it now (else at
+        :meth:`critic_prepared`); DeepSpeed joins the critic's modules to the policy here."""
+        return True
+
+    def critic_prepared(self, critic, policy: torch.nn.Module) -> bool:
+        """Once the policy is prepared (before the scheduler reads the optimizer's groups): whether the
+        critic's group is to be added now."""
+        return False
+
+    def critic_hold(self, critic_model: torch.nn.Module, policy) -> contextlib.AbstractContextManager:
+        """The critic's backbone model whole for a sequence of calls."""
+        return self.hold(critic_model)
+
+    def critic_backward_done(self, critic, policy: torch.nn.Module) -> None:
+        """A critic backward accumulated gradients that await the step's one reduction."""
+
+    # ------------------------------------------------------------------ micro-steps
+    @contextlib.contextmanager
+    def micro_step(self, defer_step: bool = True) -> Iterator[None]:
+        """A micro-step of the trainer: begun, and ended in ``finally`` — at the optimizer step's last
+        micro-step the one reduction (and, under DeepSpeed, the step); after an error the step's
+        state is given back without reducing or stepping. ``defer_step``: the trainer, not the
+        wrapper's backward, reduces and steps (the tree's modes)."""
+        self.begin_micro_step(defer_step)
+        try:
+            yield
+        except BaseException:
+            self.abandon_step()
+            raise
+        self.end_micro_step(self.accelerator.sync_gradients)
+
+    def begin_micro_step(self, defer_step: bool = True) -> None:
+        """What a micro-step needs before its first call."""
+
+    def end_micro_step(self, closes_step: bool) -> None:
+        """After the micro-step's last backward; ``closes_step``: the optimizer step's last micro-step."""
+
+    def settle(self) -> None:
+        """At the optimizer step's last micro-step, before the trainer's checks read the gradients: make
+        them final where that can come before the step (FSDP2's reduction; DeepSpeed's reduction and
+        step are one, at :meth:`end_micro_step`)."""
+
+    def abandon_step(self) -> None:
+        """After an error inside a micro-step: every held or blocked state given back, nothing reduced."""
+        self.release()
+
+
+class Replicated(Strategy):
+    """One process, or DDP: every rank holds the whole model; nothing to hold or gather."""
+
+    def __init__(self, accelerator) -> None:
+        super().__init__(accelerator)
+        if accelerator.num_processes > 1:
+            self.name = "DDP"
+
+    def refusal(self, args) -> str | None:
+        return None
+
+    def place_critic(self, critic, policy, trainer_name: str) -> None:
+        """A critic adapter lives in the policy's DDP module without taking part in its forward: DDP is
+        told not to wait for its gradients (averaged by hand with the rest of the critic's)."""
+        if critic.kind != "adapter" or self.accelerator.num_processes == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
+        if ignore is None:  # pragma: no cover - a torch without DDP's one way to leave parameters out
+            raise ValueError(f"{trainer_name}: torch {torch.__version__}'s DDP has no "
+                             "_set_params_and_buffers_to_ignore_for_model, which keeps DDP from waiting for the "
+                             "critic adapter's gradients; use critic='separate' or 'shared' under DDP")
+        adapter = {id(p) for p in critic.adapter_params.values()}
+        ignore(policy, [n for n, p in policy.named_parameters() if id(p) in adapter])
+
+
+class FSDP1(Strategy):
+    """FSDP1: the one wrapper the engine's own backward is not built for; packed calls run through it."""
+
+    name = "FSDP1 (fsdp_version: 1)"
+    runs_own_backward = False
+    averages_by_hand = False
+
+    def refusal(self, args) -> str | None:
+        if args.tree_mode == "dfs" or args.tree_token_budget is not None:
+            return ("tree_mode='dfs' and tree_token_budget run the backward inside the engine and synchronise "
+                    f"gradients themselves, which is done for DDP, FSDP2 and DeepSpeed, not {self.name}; use "
+                    "tree_mode='packed' without tree_token_budget, or FSDP2 (fsdp_version: 2)")
+        return None
+
+    def place_critic(self, critic, policy, trainer_name: str) -> None:
+        raise ValueError(f"{trainer_name}: the critic trains under DDP (gradients averaged by hand), FSDP2 (sharded, "
+                         f"reduced by FSDP2 once per step) and DeepSpeed (in the policy's engine), not {self.name}; "
+                         "use examples/accelerate/fsdp2.yaml, deepspeed_zero3.yaml or multi_gpu.yaml")
+
+
+class FSDP2(Strategy):
+    """FSDP2 (``fully_shard``): a sequence of tree calls runs on the model gathered once
+    (``fsdp.gathered``), gradients accumulated unreduced; the models whose gradients wait are reduced
+    once, at the optimizer step's last micro-step (``fsdp.reduce_gradients``) — the policy and a
+    separate value model alike, on one process too."""
+
+    name = "FSDP2"
+    averages_by_hand = False
+    fills_ranks = True
+    critic_second_pass = True
+    collective_save = True
+
+    def __init__(self, accelerator) -> None:
+        super().__init__(accelerator)
+        self._pending: dict[int, torch.nn.Module] = {}
+
+    def refusal(self, args) -> str | None:
+        return fsdp.missing_support()
+
+    def hold(self, model):
+        return fsdp.gathered(model)
+
+    def scoring(self, model, graph: bool):
+        # a graph's backward runs through FSDP2's own hooks after the calls: only the root's parameters
+        # (read by the fused head past the model's forward) are kept; a sequence without a graph is held
+        return fsdp.root_unsharded(model, reshard_after=False) if graph else self.hold(model)
+
+    def backward_done(self, model) -> None:
+        if fsdp.fsdp_modules(model):
+            self._pending[id(model)] = model
+
+    @property
+    def pending(self) -> bool:
+        """Whether gradients of a tree backward await the step's reduction."""
+        return bool(self._pending)
+
+    def end_micro_step(self, closes_step: bool) -> None:
+        if closes_step:
+            self.reduce()
+
+    def settle(self) -> None:
+        self.reduce()
+
+    def reduce(self) -> None:
+        """The one reduction of every model whose tree gradients wait (collective: every rank has the
+        same models waiting, since every rank runs the same passes)."""
+        pending, self._pending = list(self._pending.values()), {}
+        for model in pending:
+            fsdp.reduce_gradients(model, self.accelerator.device)
+
+    def abandon_step(self) -> None:
+        self._pending = {}
+
+    def loads_on_meta(self) -> bool:
+        """Accelerate's low-memory loading: ranks past the first hold a model on the meta device until
+        sharding hands them rank 0's weights."""
+        return bool(getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))
+
+    def place_critic(self, critic, policy, trainer_name: str) -> None:
+        """Every critic kind trains sharded: a value model sharded as Accelerate shards the policy, an
+        adapter with the policy it lives in; only a head outside both stays whole (averaged by hand)."""
+        critic.sharded = True
+        if critic.model is not None:
+            critic.model = fsdp.shard_as_accelerate(self.accelerator, critic.model)
+            critic.head = critic.model.score
+
+    def critic_group_with_optimizer(self, critic, policy) -> bool:
+        return False  # Accelerate swaps the optimizer's parameters for the policy's shards, knowing no other model
+
+    def critic_prepared(self, critic, policy) -> bool:
+        if critic.model is not None:
+            fsdp.resharded(critic.model)  # the optimizer takes the sharded parameters
+        critic.refresh_adapter(policy)
+        return True
+
+    def critic_backward_done(self, critic, policy) -> None:
+        self.backward_done(critic.model if critic.kind == "separate" else policy)
+
+
+class DeepSpeedZeRO(Strategy):
+    """DeepSpeed ZeRO-1/2/3: the step's gradients kept local in DeepSpeed's one-reduction block from
+    its first micro-step to its last (``deepspeed.StepReduction``), then the reduction and
+    ``engine.step()``; under ZeRO-3 an engine's parameters held whole from the step's first tree call
+    (``deepspeed.WholeParameters``). The engine is read again at each micro-step: a second
+    ``train()`` builds a new one. ``engines``: the candidates that may hold a model the trainer
+    calls (the policy's engine, a reference model's)."""
+
+    critic_in_engine = True
+    averages_by_hand = False
+
+    def __init__(self, accelerator, stage: int, engines: Callable[[], Iterable] = tuple) -> None:
+        super().__init__(accelerator)
+        self.stage = stage
+        self.name = f"DeepSpeed ZeRO-{stage}"
+        self.collective_save = stage == 3
+        self._engines = engines
+        self._reduction: zero.StepReduction | None = None
+        self._whole: dict[int, zero.WholeParameters] = {}
+
+    def refusal(self, args) -> str | None:
+        return zero.missing_support(self.accelerator)
+
+    def engine_of(self, model):
+        """The DeepSpeed engine that holds ``model``, or None."""
+        if zero.is_engine(model):
+            return model
+        for candidate in self._engines():
+            if zero.is_engine(candidate) and candidate.module is model:
+                return candidate
+        return None
+
+    @contextlib.contextmanager
+    def hold(self, model):
+        """ZeRO-3: ``model``'s engine whole for the calls inside; kept until the optimizer step ends
+        where they build a graph (its backward reads them, and later micro-steps call the model
+        again), given back at the end otherwise."""
+        engine = self.engine_of(model) if self.stage == 3 else None
+        if engine is None:
+            yield
+            return
+        holder = self._whole.get(id(engine))
+        if holder is None or holder.engine is not engine:
+            holder = self._whole[id(engine)] = zero.WholeParameters(engine)
+        was_held = holder.held
+        holder.hold()
+        try:
+            yield
+        finally:
+            if not was_held and not torch.is_grad_enabled():
+                holder.release()
+
+    def scoring(self, model, graph: bool):
+        return self.hold(model)
+
+    def place_critic(self, critic, policy, trainer_name: str) -> None:
+        """Every critic parameter is the policy's engine's: its modules join the policy while DeepSpeed
+        builds the engine (:meth:`critic_group_with_optimizer`), one ZeRO optimizer reduces, clips and
+        steps both."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if "optimizer" in (plugin.deepspeed_config or {}):
+            raise ValueError(f"{trainer_name}: the DeepSpeed config names an optimizer, which DeepSpeed builds over "
+                             "the policy's parameters alone; remove its 'optimizer' block (the trainer builds the "
+                             "optimizer from optim/learning_rate with the critic's parameter group)")
+        critic.in_engine = True
+
+    def critic_group_with_optimizer(self, critic, policy) -> bool:
+        zero.join_modules(policy, critic.modules())  # before DeepSpeed builds its engine around both
+        return True
+
+    def critic_prepared(self, critic, policy) -> bool:
+        """Once the engine holds the critic's parameters, the policy is the policy alone again
+        (generation, saving and vLLM's weight sync read it)."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if wrapped is not None:
+            zero.separate_joined(wrapped.engine)
+        return False
+
+    def critic_hold(self, critic_model, policy):
+        return self.hold(policy)  # the critic's parameters are the policy's engine's
+
+    def release(self) -> None:
+        for holder in self._whole.values():
+            holder.release()
+
+    def begin_micro_step(self, defer_step: bool = True) -> None:
+        if not defer_step:
+            return
+        zero.defer_steps(self.accelerator)
+        engine = self.accelerator.deepspeed_engine_wrapped.engine
+        if self._reduction is None or self._reduction.engine is not engine:  # a new train() built a new engine
+            self._reduction = zero.StepReduction(engine)
+            self._whole = {k: h for k, h in self._whole.items() if not h.held}
+        self._reduction.start()
+
+    def end_micro_step(self, closes_step: bool) -> None:
+        """At the optimizer step's last micro-step: the gradients a rank did not compute filled with
+        zeros (before the release: ZeRO-3's are whole-sized), ZeRO-3's whole parameters partitioned
+        again, then the one reduction and ``engine.step()``."""
+        if not closes_step:
+            return
+        reduction = self._reduction
+        try:
+            if reduction is not None:
+                reduction.fill_missing()
+        finally:
+            self.release()
+        if reduction is not None:
+            reduction.finish()
+
+    def abandon_step(self) -> None:
+        try:
+            self.release()
+        finally:
+            if self._reduction is not None:
+                self._reduction.abandon()
+
+
+def strategy_for(accelerator, engines: Callable[[], Iterable] = tuple) -> Strategy:
+    """The :class:`Strategy` of an Accelerate run (``engines``: see :class:`DeepSpeedZeRO`)."""
+    kind = accelerator.distributed_type.value
+    if kind == "DEEPSPEED":
+        return DeepSpeedZeRO(accelerator, zero.deepspeed_stage(accelerator), engines)
+    if kind == "FSDP":
+        return FSDP2(accelerator) if getattr(accelerator, "is_fsdp2", False) else FSDP1(accelerator)
+    return Replicated(accelerator)
