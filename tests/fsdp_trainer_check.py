@@ -67,7 +67,8 @@ def emulate_fsdp2_on_cpu() -> None:
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if self.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        if self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.NO) \
+                and os.environ.get("ACCELERATE_USE_FSDP") == "true":
             plugin = kwargs.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
             if self._mixed_precision != "no":
                 plugin.set_mixed_precision(self._mixed_precision)
@@ -112,6 +113,18 @@ def main_idle(checkpoint: str, out_dir: str) -> None:
     for algo, critic, mode, extra in IDLE_RANK_RUNS:
         ddp_check.train_window_run(checkpoint, out_dir, algo, critic, mode, "accumulation", tag="fsdp-idle", rows=4,
                                    gradient_accumulation_steps=1, **extra)
+
+
+#: one process under FSDP2: a separate value model is sharded (over one rank) and its gradients still
+#: reach it through the step's one reduction; (critic, tree_mode, tree_window)
+PPO_ONE_PROCESS_RUNS = (("separate", "dfs", "micro_step"), ("separate", "packed", "accumulation"),
+                        ("separate", "off", "auto"))
+
+
+def main_ppo_one(checkpoint: str, out_dir: str) -> None:
+    emulate_fsdp2_on_cpu()
+    for critic, mode, window in PPO_ONE_PROCESS_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, "ppo", critic, mode, window, tag="fsdp1p")
 
 
 def full_parameters(model) -> dict:
@@ -183,6 +196,8 @@ def main_offline(out_dir: str) -> None:
 if __name__ == "__main__":
     if sys.argv[3:] == ["ppo"]:
         main_ppo(sys.argv[1], sys.argv[2])
+    elif sys.argv[3:] == ["ppo_one"]:
+        main_ppo_one(sys.argv[1], sys.argv[2])
     elif sys.argv[3:] == ["idle"]:
         main_idle(sys.argv[1], sys.argv[2])
     else:

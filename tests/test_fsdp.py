@@ -215,3 +215,26 @@ def test_fsdp2_window_cuts_its_one_tree_until_every_rank_owns_a_piece(tmp_path):
             want = one["params"][param].double() - one["start"][param].double()
             err = float((p.double() - four[0]["start"][param].double() - want).norm() / want.norm().clamp(min=1e-30))
             assert err < 1e-5, f"{run}: {param}'s update differs from one process's by {err:.2e}"
+
+
+def test_ppo_under_fsdp2_on_one_process_trains_the_separate_critic(tmp_path):
+    """One process under ``fsdp2.yaml``: the separate value model is sharded (over one rank) and its
+    gradients wait, unreduced, for the step's one reduction — which must run with one process too, or
+    the critic never receives them. Policy and critic train one unwrapped process's update (float64,
+    1e-5), per micro-step (dfs), in an accumulation window (packed) and in the untreed step."""
+    import ddp_check
+    import fsdp_trainer_check
+
+    checkpoint, _ = launch_fsdp2_check(tmp_path, 1, "ppo_one")
+    name = ddp_check.train_window_run(checkpoint, str(tmp_path), "ppo", "separate", "off", "auto")
+    one = torch.load(tmp_path / f"win-{name}-p1_rank0.pt")
+    for critic, mode, window in fsdp_trainer_check.PPO_ONE_PROCESS_RUNS:
+        run = torch.load(tmp_path / f"win-ppo-{critic}-{mode}-{window}-fsdp1p-p1_rank0.pt")
+        assert run["distributed_type"] == "FSDP" and run["sharded"], f"{mode}/{window}: not run under FSDP2"
+        assert set(run["params"]) == set(one["params"])
+        for n, p in run["params"].items():
+            want = one["params"][n].double() - one["start"][n].double()
+            got = p.double() - run["start"][n].double()
+            assert want.norm() > 0, n
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-5, f"{mode}/{window}: {n}'s update differs from one unwrapped process's by {err:.2e}"

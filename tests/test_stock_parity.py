@@ -194,6 +194,33 @@ def test_non_finite_loss_stops_before_the_update(checkpoint):
         run(_PoisonedLoss, TreeGRPOConfig, checkpoint, **ONE_UPDATE)
 
 
+def test_a_step_that_raises_gives_back_the_engine_state(checkpoint):
+    """The check's error inside the micro-step: the engine object ends it as abandoned (no reduction,
+    no step; under DeepSpeed the reduction block closed and ZeRO-3's parameters partitioned again)."""
+    from trl_tree.distributed.strategy import Replicated
+
+    calls = []
+
+    class Recording(Replicated):
+        def begin_micro_step(self, defer_step=True):
+            calls.append("begin")
+
+        def end_micro_step(self, closes_step):
+            calls.append("end")
+
+        def abandon_step(self):
+            calls.append("abandon")
+
+    class Poisoned(_PoisonedLoss):
+        @property
+        def _strategy(self):
+            return self.__dict__.setdefault("_tree_strategy", Recording(self.accelerator))
+
+    with pytest.raises(FloatingPointError):
+        run(Poisoned, TreeGRPOConfig, checkpoint, **ONE_UPDATE)
+    assert calls == ["begin", "abandon"]
+
+
 def test_absolute_positions_warn_and_keep_true_positions(tmp_path):
     """GPT-2 with left-padded prompts: stock TRL shifts padded rows' positions; the tree keeps each
     token's depth (what generation used) and says so at construction; dfs runs too."""

@@ -262,12 +262,17 @@ class WholeParameters:
         gathered, self._gathered = self._gathered, None
         gathered.__exit__(None, None, None)
         add_hooks(self.engine)
-        if self._start_hook is not None:
-            offload, hook = self._start_hook
-            # first among the module's pre-hooks, where DeepSpeed registered it: it resets the step's
-            # parameter coordinator, which the fetch hook that ``add_hooks`` put back then reads
-            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(hook, prepend=True)
-            self._start_hook = None
+        start, self._start_hook = self._start_hook, None
+        _put_back_start_hook(start)
+
+
+def _put_back_start_hook(start) -> None:
+    """Register ZeRO-3's start-of-forward hook again (``(offload, hook)`` from :func:`_take_start_hook`),
+    first among the module's pre-hooks, where DeepSpeed registered it: it resets the step's parameter
+    coordinator, which the fetch hook that TRL's ``add_hooks`` put back then reads."""
+    if start is not None:
+        offload, hook = start
+        offload.fwd_pre_hook = offload.module.register_forward_pre_hook(hook, prepend=True)
 
 
 def _take_start_hook(engine):

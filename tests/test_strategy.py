@@ -1,0 +1,198 @@
+"""The engine objects (``trl_tree/distributed/strategy.py``) on one process: which one a launch gets, that a
+micro-step's state is given back when its body raises (no reduction, no step, nothing left held), the
+DeepSpeed settings its one reduction per step cannot run refused at construction, a DeepSpeed engine
+told by type (subclasses too) and read again after a new ``train()``, ZeRO-3's start-of-forward hook
+put back first, and the trainers free of per-engine branches."""
+
+from __future__ import annotations
+
+import os
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_tree.distributed import deepspeed as zero
+from trl_tree.distributed import strategy as strategies
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def accelerator(kind: str = "NO", processes: int = 1, fsdp2: bool = False, stage: int | None = None,
+                config: dict | None = None, mixed_precision: str = "no", sync: bool = True):
+    plugin = SimpleNamespace(zero_stage=stage, deepspeed_config=config or {}) if stage is not None else None
+    return SimpleNamespace(distributed_type=SimpleNamespace(value=kind), num_processes=processes, is_fsdp2=fsdp2,
+                           state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=mixed_precision,
+                           sync_gradients=sync, device=torch.device("cpu"))
+
+
+def test_each_launch_gets_its_engine_object():
+    assert isinstance(strategies.strategy_for(accelerator()), strategies.Replicated)
+    ddp = strategies.strategy_for(accelerator("MULTI_GPU", 2))
+    assert isinstance(ddp, strategies.Replicated) and ddp.name == "DDP" and ddp.averages_by_hand
+    assert isinstance(strategies.strategy_for(accelerator("FSDP", 2)), strategies.FSDP1)
+    fsdp2 = strategies.strategy_for(accelerator("FSDP", 2, fsdp2=True))
+    assert isinstance(fsdp2, strategies.FSDP2) and fsdp2.fills_ranks and not fsdp2.averages_by_hand
+    ds = strategies.strategy_for(accelerator("DEEPSPEED", 2, stage=3))
+    assert isinstance(ds, strategies.DeepSpeedZeRO) and ds.name == "DeepSpeed ZeRO-3" and ds.collective_save
+
+
+class _Recorder:
+    """A DeepSpeed step reduction and a ZeRO-3 holder that record what was done to them."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.held = engine, [], False
+
+    def start(self):
+        self.calls.append("start")
+
+    def fill_missing(self):
+        self.calls.append("fill")
+
+    def finish(self):
+        self.calls.append("finish")
+
+    def abandon(self):
+        self.calls.append("abandon")
+
+    def hold(self):
+        self.held = True
+
+    def release(self):
+        self.held = False
+        self.calls.append("release")
+
+
+def _deepspeed_strategy(monkeypatch, sync=True):
+    engine = object()
+    acc = accelerator("DEEPSPEED", 2, stage=3, sync=sync)
+    acc.deepspeed_engine_wrapped = SimpleNamespace(engine=engine)
+    monkeypatch.setattr(zero, "defer_steps", lambda accelerator: None)
+    monkeypatch.setattr(zero, "StepReduction", _Recorder)
+    strategy = strategies.DeepSpeedZeRO(acc, 3)
+    holder = _Recorder(engine)
+    strategy._whole[id(engine)] = holder
+    return strategy, acc, holder
+
+
+def test_a_micro_step_that_raises_gives_back_its_state_without_stepping(monkeypatch):
+    strategy, acc, holder = _deepspeed_strategy(monkeypatch)
+    with pytest.raises(FloatingPointError):
+        with strategy.micro_step():
+            holder.hold()
+            raise FloatingPointError("non-finite loss")
+    assert strategy._reduction.calls == ["start", "abandon"]  # the block closed, no reduction, no step
+    assert not holder.held, "ZeRO-3's parameters were left gathered (and the engine's hooks removed)"
+    # the next micro-step starts clean and closes the step as usual
+    with strategy.micro_step():
+        holder.hold()
+    assert strategy._reduction.calls == ["start", "abandon", "start", "fill", "finish"] and not holder.held
+
+
+def test_a_micro_step_inside_the_step_leaves_the_reduction_open(monkeypatch):
+    strategy, acc, holder = _deepspeed_strategy(monkeypatch, sync=False)
+    with strategy.micro_step():
+        holder.hold()
+    assert strategy._reduction.calls == ["start"] and holder.held  # held through the step's micro-steps
+
+
+def test_a_new_engine_gets_a_new_reduction(monkeypatch):
+    """A second ``train()`` builds a new DeepSpeed engine: the step's reduction follows it."""
+    strategy, acc, _ = _deepspeed_strategy(monkeypatch, sync=False)
+    strategy.begin_micro_step()
+    first = strategy._reduction
+    acc.deepspeed_engine_wrapped = SimpleNamespace(engine=object())
+    strategy.begin_micro_step()
+    assert strategy._reduction is not first and strategy._reduction.engine is acc.deepspeed_engine_wrapped.engine
+
+
+def test_fsdp2_reduces_what_waits_once_and_drops_it_after_an_error(monkeypatch):
+    reduced = []
+    monkeypatch.setattr(strategies.fsdp, "fsdp_modules", lambda model: [model])
+    monkeypatch.setattr(strategies.fsdp, "reduce_gradients", lambda model, device: reduced.append(model))
+    strategy = strategies.FSDP2(accelerator("FSDP", 1, fsdp2=True))
+    policy, value_model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    with strategy.micro_step():  # one process: the separate critic is reduced too
+        strategy.backward_done(policy)
+        strategy.backward_done(value_model)
+        strategy.backward_done(policy)
+    assert reduced == [policy, value_model]
+    with pytest.raises(RuntimeError):
+        with strategy.micro_step():
+            strategy.backward_done(policy)
+            raise RuntimeError("boom")
+    assert not strategy.pending and reduced == [policy, value_model]
+
+
+def test_deepspeed_settings_without_a_reduction_block_are_refused_at_construction():
+    pytest.importorskip("deepspeed")
+    assert zero.missing_support(accelerator("DEEPSPEED", 2, stage=2)) is None
+    assert "stage 0" in zero.missing_support(accelerator("DEEPSPEED", 2, stage=0))
+    bf16_zero1 = accelerator("DEEPSPEED", 2, stage=1, mixed_precision="bf16",
+                             config={"data_types": {"grad_accum_dtype": "fp32"}})
+    assert "BF16_Optimizer" in zero.missing_support(bf16_zero1)
+    assert zero.missing_support(accelerator("DEEPSPEED", 2, stage=2, mixed_precision="bf16",
+                                            config={"data_types": {"grad_accum_dtype": "fp32"}})) is None
+
+
+def test_a_deepspeed_engine_is_told_by_type_subclasses_too():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class MyEngine(DeepSpeedEngine):
+        def __init__(self):  # not built: the type is what is asked
+            pass
+
+    assert zero.is_engine(MyEngine())
+    assert not zero.is_engine(SimpleNamespace(module=torch.nn.Linear(1, 1)))
+
+
+def test_zero3_start_hook_goes_back_first():
+    """DeepSpeed registers its start-of-forward hook before the module's fetch hook; put back after TRL's
+    ``add_hooks`` re-registered the fetch hook, it must run first again."""
+    module = torch.nn.Linear(2, 2)
+    order = []
+
+    def start(mod, args):
+        order.append("start")
+
+    def fetch(mod, args):
+        order.append("fetch")
+
+    handle = module.register_forward_pre_hook(start)
+    offload = SimpleNamespace(module=module, fwd_pre_hook=handle)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(parameter_offload=offload))
+    taken = zero._take_start_hook(engine)
+    module.register_forward_pre_hook(fetch)  # what add_hooks does
+    zero._put_back_start_hook(taken)
+    module(torch.ones(1, 2))
+    assert order == ["start", "fetch"]
+
+
+def test_the_trainers_hold_no_per_engine_branches():
+    """Where the model lives is the strategy's business: no trainer asks which engine runs it."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "trl_tree", "trainers")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                found += [f"{name}: {m}" for m in re.findall(r"_fsdp2\(\)|_zero_stage\(\)|_fsdp1\(\)|_sharded\(\)", text)]
+    assert not found, found
+
+
+def test_fsdp2_support_is_checked_at_construction():
+    """This torch's FSDP2 has what the tree's calls use (the public setters and the few private
+    names, each in distributed/fsdp.py), or the trainer refuses naming the version to install."""
+    from trl_tree.distributed import fsdp
+
+    assert fsdp.missing_support() is None
+    from torch.distributed.fsdp import FSDPModule
+
+    saved = FSDPModule.set_reshard_after_forward
+    try:
+        del FSDPModule.set_reshard_after_forward
+        why = fsdp.missing_support()
+    finally:
+        FSDPModule.set_reshard_after_forward = saved
+    assert "set_reshard_after_forward" in why and f"torch>={fsdp.TORCH_FLOOR}" in why
