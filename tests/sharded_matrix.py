@@ -123,11 +123,16 @@ def run_engine(engine: str, processes: int, combos: list[str], directory: str, l
         todo = [c for c in todo if c not in finished]
         if not todo:
             break
+        if any(results[c]["status"] == "failed" for c in finished):  # it raised on every rank: recorded
+            continue
         # the launch ended early: the first unfinished combination failed or hung
         culprit = todo.pop(0)
         hung = "Timeout (0:" in output
+        with open(os.path.join(out, "launch.log"), "w") as f:  # every rank's stack, whole
+            f.write(output)
         results[culprit] = {"status": "hang" if hung else "failed", "seconds": round(time.time() - started, 1),
-                            "ranks_started": [_started(out, r) for r in range(processes)], "output": output[-6000:]}
+                            "ranks_started": [_started(out, r) for r in range(processes)], "output": output[-12000:],
+                            "log": os.path.join(out, "launch.log")}
         log(f"{engine} x{processes} {culprit}: {results[culprit]['status']}")
     return results
 
@@ -218,9 +223,10 @@ def _online(trainer_kind: str, mode: str, window: str, checkpoint: str, out: str
             from peft import LoraConfig
 
             adapter = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
-    return cls(model=checkpoint, reward_funcs=reward_chars, args=args, rollout_func=uneven_rollout,
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-               processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint), **adapter)
+    # RLOO (TRL's RLOOTrainer takes no rollout function) generates with the tiny model: random lengths
+    rollout = {} if trainer_kind == "rloo" else {"rollout_func": uneven_rollout}
+    return cls(model=checkpoint, reward_funcs=reward_chars, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+               processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint), **rollout, **adapter)
 
 
 def _offline(trainer_kind: str, mode: str, window: str, sft_checkpoint: str, out: str):
@@ -252,13 +258,13 @@ def _async(mode: str, out: str):
 
     policy = build_tiny_policy(os.path.join(out, "policy"), chat=True, every_character=False)
     args = TreeAsyncGRPOConfig(output_dir=out, tree_mode=mode, max_steps=2, num_generations=4,
-                               max_completion_length=8, learning_rate=0.01, token_budget=96, max_staleness=2,
+                               max_completion_length=16, learning_rate=0.01, token_budget=512, max_staleness=2,
                                use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1)
 
     def letter_a(completions, **kwargs):
         return [(c[-1]["content"] if c else "").count("a") / 8 for c in completions]
 
-    prompts = [[{"role": "user", "content": p}] for p in toy_prompts(story_len=40)[:16]]
+    prompts = [[{"role": "user", "content": p}] for p in toy_prompts(story_len=120)]
     return TreeAsyncGRPOTrainer(model=policy, reward_funcs=letter_a, args=args,
                                 train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_worker="local")
 
