@@ -81,7 +81,7 @@ def missing_support() -> str | None:
 
 
 #: the oldest torch the FSDP2 path was tested on (pyproject's floor; docs/limitations.md)
-TORCH_FLOOR = "2.9"
+TORCH_FLOOR = "2.11"
 
 
 def _state_class():
