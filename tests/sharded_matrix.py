@@ -250,13 +250,12 @@ def _offline(trainer_kind: str, mode: str, window: str, sft_checkpoint: str, out
                           processing_class=sft_tokenizer())
 
 
-def _async(mode: str, out: str):
+def _async(mode: str, out: str, policy: str):
     from datasets import Dataset
 
     from trl_tree import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
-    from trl_tree.data.toy import build_tiny_policy, toy_prompts
+    from trl_tree.data.toy import toy_prompts
 
-    policy = build_tiny_policy(os.path.join(out, "policy"), chat=True, every_character=False)
     args = TreeAsyncGRPOConfig(output_dir=out, tree_mode=mode, max_steps=2, num_generations=4,
                                max_completion_length=16, learning_rate=0.01, token_budget=512, max_staleness=2,
                                use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1)
@@ -299,9 +298,13 @@ def worker(out: str, engine: str, combos: list[str]) -> None:
     state = PartialState(cpu=True)
     rank, processes = state.process_index, state.num_processes
     checkpoint, sft_checkpoint = os.path.join(out, "tiny"), os.path.join(out, "sft_tiny")
-    if state.is_main_process:
+    chat_policy = os.path.join(out, "chat_tiny")
+    if state.is_main_process:  # written once, read by every rank
+        from trl_tree.data.toy import build_tiny_policy
+
         save_tiny_checkpoint(checkpoint)
         save_sft_checkpoint(sft_checkpoint)
+        build_tiny_policy(chat_policy, chat=True, every_character=False)
     state.wait_for_everyone()
     for combo in combos:
         with open(os.path.join(out, f"rank{rank}.current"), "w") as f:
@@ -317,7 +320,7 @@ def worker(out: str, engine: str, combos: list[str]) -> None:
                 if trainer_kind in OFFLINE:
                     trainer = _offline(trainer_kind, mode, window, sft_checkpoint, run_dir)
                 elif trainer_kind == "async":
-                    trainer = _async(mode, run_dir)
+                    trainer = _async(mode, run_dir, chat_policy)
                 else:
                     trainer = _online(trainer_kind, mode, window, checkpoint, run_dir, processes)
             except (ValueError, NotImplementedError) as e:  # a refusal at construction, with its reason
