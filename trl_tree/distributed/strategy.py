@@ -101,6 +101,10 @@ class Strategy:
     def critic_backward_done(self, critic, policy: torch.nn.Module) -> None:
         """A critic backward accumulated gradients that await the step's one reduction."""
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float):
+        """Clip ``params``' gradients together, one norm over all (the policy's and the critic's)."""
+        return self.accelerator.clip_grad_norm_(params, max_norm)
+
     # ------------------------------------------------------------------ micro-steps
     @contextlib.contextmanager
     def micro_step(self, defer_step: bool = True) -> Iterator[None]:
@@ -256,6 +260,28 @@ class FSDP2(Strategy):
 
     def critic_backward_done(self, critic, policy) -> None:
         self.backward_done(critic.model if critic.kind == "separate" else policy)
+
+    def clip_grad_norm(self, params, max_norm: float):
+        """One norm over sharded gradients (DTensors) and whole ones beside them (a value head): each
+        kind's norm taken apart, the total from both, every gradient scaled by one number. Accelerate
+        1.10's ``clip_grad_norm_`` hands both kinds to one foreach op, which refuses to mix them."""
+        grads = [p.grad for p in params if p.grad is not None]
+        sharded = [g for g in grads if fsdp.is_sharded(g)]
+        whole = [g for g in grads if not fsdp.is_sharded(g)]
+        if not sharded or not whole:
+            return self.accelerator.clip_grad_norm_(params, max_norm)
+        device = whole[0].device
+        parts = []
+        for kind in (sharded, whole):
+            norm = torch.nn.utils.get_total_norm(kind)
+            parts.append(fsdp.full_tensor(norm).float().to(device))
+        total = torch.linalg.vector_norm(torch.stack(parts))
+        scale = min(1.0, float(max_norm) / (float(total) + 1e-6))
+        if scale < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(scale)
+        return total
 
 
 class DeepSpeedZeRO(Strategy):

@@ -542,7 +542,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     def _clip_grad_norm(self, model):
         """Clip the policy's and the critic's gradients together (one norm), as TRL 1.12's PPO did."""
         params = {id(p): p for p in list(model.parameters()) + self.critic.parameters()}
-        return self.accelerator.clip_grad_norm_(list(params.values()), self.args.max_grad_norm)
+        return self._strategy.clip_grad_norm(list(params.values()), self.args.max_grad_norm)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
