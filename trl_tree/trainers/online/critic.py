@@ -146,12 +146,24 @@ class Critic:
         state.update({f"adapter.{k}": p.data for k, p in self.adapter_params.items()})
         return state
 
+    def _whole_state(self) -> dict[str, torch.Tensor]:
+        """:meth:`named_state` whole on the CPU. A sharded value model (FSDP2) through
+        ``torch.distributed.checkpoint``'s full state dict offloaded to the CPU, which leaves the whole
+        tensors on the first rank alone (the one that writes); other tensors gathered one by one."""
+        if self.kind == "separate" and self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {f"model.{k}": v.contiguous() for k, v in state.items()}
+        return {k: full_tensor(v.detach()).contiguous().cpu() for k, v in self.named_state().items()}
+
     def save(self, directory: str, write: bool = True) -> None:
         """Write the critic to ``directory``. Every rank calls it where the critic is sharded (FSDP2):
-        each tensor is gathered whole on all of them, and only ``write`` ranks write."""
+        the tensors are gathered whole (for a value model, on the first rank only), and only ``write``
+        ranks — the first — write."""
         from safetensors.torch import save_file
 
-        state = {k: full_tensor(v.detach()).contiguous().cpu() for k, v in self.named_state().items()}
+        state = self._whole_state()
         if not write:
             return
         os.makedirs(directory, exist_ok=True)
