@@ -196,3 +196,16 @@ def test_fsdp2_support_is_checked_at_construction():
     finally:
         FSDPModule.set_reshard_after_forward = saved
     assert "set_reshard_after_forward" in why and f"torch>={fsdp.TORCH_FLOOR}" in why
+
+
+def test_ppo_refuses_a_trainer_without_the_hooks_its_critic_needs(monkeypatch):
+    """TreePPOTrainer overrides three private Trainer methods; a transformers without one is refused at
+    construction instead of training an unclipped or unsaved critic."""
+    import transformers
+
+    from trl_tree.trainers.online import ppo
+
+    ppo._check_trainer_hooks()
+    monkeypatch.delattr(transformers.Trainer, "_clip_grad_norm")
+    with pytest.raises(ValueError, match="_clip_grad_norm"):
+        ppo._check_trainer_hooks()

@@ -89,6 +89,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ construction
     def _setup_critic(self, value_model) -> None:
         args = self.args
+        _check_trainer_hooks()
         strategy = self._strategy
         why = strategy.refusal(args)  # DeepSpeed: every mode's step is the trainer's, tree_mode='off' too
         if why is not None:
@@ -573,3 +574,21 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
             if not self.critic.load(checkpoint):
                 raise ValueError(f"{checkpoint} holds no critic ({self.critic.kind}); it was not written by "
                                  "TreePPOTrainer")
+
+
+#: the Trainer's private methods TreePPOTrainer overrides to train the critic with the policy: one norm
+#: over both (``_clip_grad_norm``), the critic saved and restored with the policy's checkpoint
+TRAINER_HOOKS = ("_clip_grad_norm", "_save_checkpoint", "_load_optimizer_and_scheduler")
+
+
+def _check_trainer_hooks() -> None:
+    """Refuse, at construction, a transformers whose Trainer no longer calls what the critic's
+    training hooks into (an override of a method that is gone would be skipped silently: the
+    critic unclipped, or missing from checkpoints)."""
+    import transformers
+
+    missing = [name for name in TRAINER_HOOKS if not callable(getattr(transformers.Trainer, name, None))]
+    if missing:
+        raise ValueError(f"TreePPOTrainer: transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}, "
+                         "which the critic's clipping and checkpoints hook into; install transformers>=5.17,<6 (the "
+                         "tested range, docs/limitations.md)")
