@@ -590,5 +590,5 @@ def _check_trainer_hooks() -> None:
     missing = [name for name in TRAINER_HOOKS if not callable(getattr(transformers.Trainer, name, None))]
     if missing:
         raise ValueError(f"TreePPOTrainer: transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}, "
-                         "which the critic's clipping and checkpoints hook into; install transformers>=5.17,<6 (the "
+                         "which the critic's clipping and checkpoints hook into; install transformers>=5.23,<6 (the "
                          "tested range, docs/limitations.md)")
