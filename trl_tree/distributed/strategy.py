@@ -53,6 +53,8 @@ class Strategy:
     critic_second_pass = False
     #: saving what trains beside the policy is collective (every rank gathers, the saving ranks write)
     collective_save = False
+    #: TRL's asynchronous GRPO trainer runs under it (TRL 1.16: not under FSDP1 or DeepSpeed)
+    runs_trl_async = True
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
@@ -61,6 +63,11 @@ class Strategy:
     def refusal(self, args) -> str | None:
         """Why the engine cannot run these settings' tree calls exactly (None: it can); said at construction."""
         return None
+
+    def loads_on_meta(self) -> bool:
+        """Whether ranks past the first hold a just-loaded model on the meta device until the engine
+        hands them rank 0's weights (FSDP2's low-memory loading): nothing to broadcast then."""
+        return False
 
     # ------------------------------------------------------------------ calls
     def hold(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -144,9 +151,6 @@ class Replicated(Strategy):
         if accelerator.num_processes > 1:
             self.name = "DDP"
 
-    def refusal(self, args) -> str | None:
-        return None
-
     def place_critic(self, critic, policy, trainer_name: str) -> None:
         """A critic adapter lives in the policy's DDP module without taking part in its forward: DDP is
         told not to wait for its gradients (averaged by hand with the rest of the critic's)."""
@@ -169,6 +173,7 @@ class FSDP1(Strategy):
     name = "FSDP1 (fsdp_version: 1)"
     runs_own_backward = False
     averages_by_hand = False
+    runs_trl_async = False
 
     def refusal(self, args) -> str | None:
         if args.tree_mode == "dfs" or args.tree_token_budget is not None:
@@ -237,8 +242,6 @@ class FSDP2(Strategy):
         self._pending = {}
 
     def loads_on_meta(self) -> bool:
-        """Accelerate's low-memory loading: ranks past the first hold a model on the meta device until
-        sharding hands them rank 0's weights."""
         return bool(getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))
 
     def place_critic(self, critic, policy, trainer_name: str) -> None:
@@ -294,6 +297,7 @@ class DeepSpeedZeRO(Strategy):
 
     critic_in_engine = True
     averages_by_hand = False
+    runs_trl_async = False
 
     def __init__(self, accelerator, stage: int, engines: Callable[[], Iterable] = tuple) -> None:
         super().__init__(accelerator)

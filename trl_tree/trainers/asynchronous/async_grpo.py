@@ -26,7 +26,6 @@ from transformers import PreTrainedModel
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 
-from ...distributed.strategy import FSDP1, DeepSpeedZeRO
 from ..config import TreeArguments, as_tree_config
 from .fused_forward import tree_fused_outputs
 from ..offline.sft_rows import SFTRows
@@ -269,7 +268,7 @@ class TreeAsyncGRPOTrainer(TreeCallsMixin, AsyncGRPOTrainer):
             "tree_cuda_graphs (not verified with the async trainer; a stream's micro-batch layouts rarely repeat, so "
             "they would seldom replay)": bool(args.tree_cuda_graphs),
             "FSDP1 or DeepSpeed (TRL's async trainer runs under FSDP2 only)":
-                isinstance(self._strategy, (FSDP1, DeepSpeedZeRO)),
+                not self._strategy.runs_trl_async,
         })
 
 

@@ -115,7 +115,7 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                 compile_layers(critic_model)
         # one critic on every rank (heads drew from per-rank seeds); under FSDP2's low-memory loading the
         # other ranks hold a value model on the meta device, and sharding it hands them rank 0's weights
-        low_memory = critic_model is not None and getattr(strategy, "loads_on_meta", lambda: False)()
+        low_memory = critic_model is not None and strategy.loads_on_meta()
         if self.accelerator.num_processes > 1 and not low_memory:
             # through the accelerator's device: under DeepSpeed the critic is still on the CPU here (the engine
             # moves it), where NCCL has no backend
