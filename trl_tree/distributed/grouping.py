@@ -30,21 +30,6 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
     return list(keys.values())
 
 
-def stock_order(groups: list[list[int]], num_rows: int) -> list[list[int]]:
-    """The groups in the order of stock TRL's row shuffle of this generation batch.
-
-    Draws the one permutation TRL's ``shuffle_sequence_dict`` draws (``torch.randperm(num_rows)``), so
-    the global random stream — and every later rollout — stays stock's, and derives the group order
-    from it: a group goes where TRL's shuffle puts its first row, and its rows keep TRL's relative
-    order. The micro-batches are then cut from this order (``plan_windows(..., shuffle=False)``)."""
-    permutation = torch.randperm(num_rows).tolist()
-    place = [0] * num_rows
-    for position, row in enumerate(permutation):
-        place[row] = position
-    ordered = [sorted(g, key=place.__getitem__) for g in groups]
-    return sorted(ordered, key=lambda g: place[g[0]])
-
-
 def group_cost(group: list[int], prompt_len: list[int], completion_len: list[int]) -> int:
     """Unique tokens of one group's forest, up to completions' own shared prefixes."""
     return prompt_len[group[0]] + sum(completion_len[i] for i in group)
@@ -60,7 +45,7 @@ def plan_micro_batches(
     """Cut the rows of ``groups`` into ``num_batches`` equal-sized micro-batches, groups kept whole.
 
     Groups are first put in random order (``torch.randperm``, so the trainer's seed governs it;
-    ``shuffle=False``: in the given order, e.g. :func:`stock_order`'s).
+    ``shuffle=False``: in the given order, e.g. TRL's own shuffled order).
     Without ``costs`` they are laid end to end and cut into equal slices (a group is split only
     where it straddles a cut). With ``costs`` each group goes, heaviest first, to the lightest
     micro-batch that still has room for all its rows; a group that fits nowhere whole is spread
@@ -91,6 +76,21 @@ def plan_micro_batches(
         b = min((b for b in range(num_batches) if len(batches[b]) < per_batch), key=lambda b: load[b])
         batches[b].append(i)
     return batches
+
+
+def join_rows(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batch TRL's ``split_tensor_dict`` cut into ``batches``, joined back in their order: per-row
+    entries (tensors with a batch dimension, lists) concatenated; scalars, None and other values as the
+    first batch holds them (every piece holds the same)."""
+    out: dict[str, Any] = {}
+    for key, value in batches[0].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[key] = torch.cat([b[key] for b in batches])
+        elif isinstance(value, (list, tuple)):
+            out[key] = [row for b in batches for row in b[key]]
+        else:
+            out[key] = value
+    return out
 
 
 def take_rows(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:

@@ -47,8 +47,6 @@ class Strategy:
     #: a window cuts trees until every rank owns one, and a window that would still leave a rank
     #: without a tree is not run (its calls gather and reduce on the owners only)
     fills_ranks = False
-    #: the engine reduces the critic's gradients with the policy's (its parameters are the engine's)
-    critic_in_engine = False
     #: the critic's values take a second pass even where one graph would do (its calls gathered once)
     critic_second_pass = False
     #: saving what trains beside the policy is collective (every rank gathers, the saving ranks write)
@@ -90,6 +88,12 @@ class Strategy:
     def place_critic(self, critic, policy: torch.nn.Module, trainer_name: str) -> None:
         """At construction, after the critic's weights were made equal on every rank: put it where this
         engine trains it (its flags ``sharded`` / ``in_engine``, the value model sharded or registered)."""
+
+    def averages_critic_by_hand(self, critic) -> bool:
+        """Whether the critic's trainable parameters outside the engine's (a head beside sharded models)
+        are averaged by hand over the processes; the trainer gives that average a communicator of its
+        own where the engine's collectives run on the default one."""
+        return self.averages_by_hand
 
     def critic_group_with_optimizer(self, critic, policy: torch.nn.Module) -> bool:
         """When the optimizer is built: whether the critic's parameter group joins it now (else at
@@ -252,6 +256,12 @@ class FSDP2(Strategy):
             critic.model = fsdp.shard_as_accelerate(self.accelerator, critic.model)
             critic.head = critic.model.score
 
+    def averages_critic_by_hand(self, critic) -> bool:
+        # a head beside the sharded models stays whole: averaged by hand, on a communicator of its own (on
+        # FSDP2's group its all-reduces, launched from the backward's hooks, would fall among the all-gathers
+        # and reduce-scatters in an order that need not be every rank's)
+        return critic.kind != "separate"
+
     def critic_group_with_optimizer(self, critic, policy) -> bool:
         return False  # Accelerate swaps the optimizer's parameters for the policy's shards, knowing no other model
 
@@ -295,7 +305,6 @@ class DeepSpeedZeRO(Strategy):
     ``train()`` builds a new one. ``engines``: the candidates that may hold a model the trainer
     calls (the policy's engine, a reference model's)."""
 
-    critic_in_engine = True
     averages_by_hand = False
     runs_trl_async = False
 

@@ -8,8 +8,9 @@ group-preserving shuffle, the policy's backward in one pass where its loss is wr
 * ``_get_per_token_logps_and_entropies`` (TRL's hook for the policy loss forward, the old-policy
   log-probs and the reference log-probs, including the PEFT reference with the adapter disabled)
   runs the tree engine on the rows' real tokens instead of the padded batch;
-* ``_prepare_inputs`` cuts the generation batch into micro-batches with a group-preserving shuffle
-  (and, with ``tree_token_budget``, balanced by unique tokens) instead of TRL's row shuffle;
+* ``_prepare_inputs`` keeps TRL's buffering and cuts each fresh buffer again so that a prompt's
+  group stays in one micro-batch (in TRL's shuffled order; with ``tree_token_budget``, balanced by
+  unique tokens);
 * ``training_step`` also times the step without generation, logged as ``tree/fwd_bwd_time``, and
   averages the gradients by hand where the tree's backward did not run through DDP (see
   ``_graphs_by_hand``);
@@ -37,7 +38,7 @@ from ...engine.forest import PrefixForest
 from ...engine.model_parts import model_parts, trainable_parameters
 from .bridge import bridge
 from ...distributed.exchange import RankExchange, exchange_group
-from ...distributed.grouping import group_cost, plan_windows, prompt_groups, stock_order, take_rows
+from ...distributed.grouping import group_cost, join_rows, plan_windows, prompt_groups, take_rows
 from ...engine.rows import PaddedRows
 from .separable_loss import GRPOTokenLoss, OnePassLoss
 from ..tree_calls import TreeCallsMixin
@@ -229,36 +230,38 @@ class TreeTrainerMixin(TreeCallsMixin):
     # ------------------------------------------------------------------ micro-batches
     @profiled("trl_tree.prepare_inputs")
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
-        """TRL's buffering of a generation batch, with a group-preserving shuffle (see ``grouping``)."""
+        """TRL's own buffering of a generation batch (its generation, shuffle, split and reuse across
+        ``steps_per_generation`` and ``num_iterations``), its buffer then cut again group by group
+        (see ``grouping``) when a fresh one was made for training."""
         start = time.perf_counter()
         try:
+            buffered = self._buffered_inputs
             generate_every = self.args.steps_per_generation * self.num_iterations
-            generates = self._step % generate_every == 0 or self._buffered_inputs is None
-            if generates:
+            if not self.model.training or self._step % generate_every == 0 or buffered is None:
                 self._strategy.release()  # ZeRO-3: TRL's generation gathers the parameters its own way
-            if not self._regroups():
-                return super()._prepare_inputs(generation_batch)
-            if generates:
-                batch = self._generate_and_score_completions(generation_batch)
-                if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
-                    raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
-                # TRL's own shuffle draw, the groups ordered by it: the random stream stays stock's
-                groups = stock_order(prompt_groups(batch["prompt_ids"], batch["prompt_mask"]),
-                                     batch["prompt_ids"].shape[0])
-                costs_of = None
-                if self.args.tree_token_budget is not None:
-                    prompt_len = batch["prompt_mask"].sum(1).tolist()
-                    completion_len = batch["completion_mask"].sum(1).tolist()
+            inputs = super()._prepare_inputs(generation_batch)
+            if not self._regroups() or self._buffered_inputs is buffered:
+                return inputs
+            # a fresh buffer: TRL's micro-batches, joined back in TRL's shuffled order (its one permutation
+            # drawn: the random stream stays stock's), cut so that a prompt's group stays in one micro-batch
+            batch = join_rows(self._buffered_inputs)
+            if any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
+                raise ValueError(f"{type(self).__name__}: multimodal inputs are not supported by the tree")
+            groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])  # first appearance: TRL's order
+            costs_of = None
+            if self.args.tree_token_budget is not None:
+                prompt_len = batch["prompt_mask"].sum(1).tolist()
+                completion_len = batch["completion_mask"].sum(1).tolist()
 
-                    def costs_of(pieces):
-                        return [group_cost(g, prompt_len, completion_len) for g in pieces]
+                def costs_of(pieces):
+                    return [group_cost(g, prompt_len, completion_len) for g in pieces]
 
-                spg = self.args.steps_per_generation
-                per_window = self.args.gradient_accumulation_steps if self._windows_on() else spg
-                plan = plan_windows(groups, spg, per_window, costs_of, shuffle=False)
-                self._log_regrouping_gain(batch, plan)
-                self._buffered_inputs = [take_rows(batch, rows) for rows in plan]
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+            spg = self.args.steps_per_generation
+            per_window = self.args.gradient_accumulation_steps if self._windows_on() else spg
+            plan = plan_windows(groups, spg, per_window, costs_of, shuffle=False)
+            self._log_regrouping_gain(batch, plan)
+            self._buffered_inputs = [take_rows(batch, rows) for rows in plan]
+            return self._buffered_inputs[self._step % spg]
         finally:
             self._tree_prepare_seconds += time.perf_counter() - start
 

@@ -91,7 +91,9 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
         args = self.args
         _check_trainer_hooks()
         strategy = self._strategy
-        why = strategy.refusal(args)  # DeepSpeed: every mode's step is the trainer's, tree_mode='off' too
+        # the tree modes were checked with the model (``_check_tree_support``); PPO's step is its own with
+        # tree_mode='off' too, so the engine's refusal holds there as well
+        why = strategy.refusal(args) if args.tree_mode == "off" else None
         if why is not None:
             raise ValueError(f"TreePPOTrainer: {why}")
         policy = self._unwrapped(self.model)
@@ -127,11 +129,8 @@ class TreePPOTrainer(TreeTrainerMixin, GRPOTrainer):
                         torch.distributed.broadcast(sent, src=0)
                         if sent is not p.data:
                             p.data.copy_(sent)
-        if (self.critic.kind != "separate" and self.accelerator.num_processes > 1 and not strategy.averages_by_hand
-                and not strategy.critic_in_engine):
-            # a head beside the sharded models is averaged by hand on a communicator of its own, as under DDP:
-            # on FSDP2's group its all-reduces, launched from the backward's hooks, would fall among the
-            # all-gathers and reduce-scatters in an order that need not be every rank's
+        if (self.accelerator.num_processes > 1 and self._tree_reduce_group is None
+                and strategy.averages_critic_by_hand(self.critic)):
             self._tree_reduce_group = reduction_group(self.accelerator.device)
         strategy.place_critic(self.critic, self.model, "TreePPOTrainer")  # where the critic trains: one place
 
