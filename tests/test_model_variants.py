@@ -307,3 +307,16 @@ def test_fp32_weights_under_autocast(mode, monkeypatch):
     error = max((a.float() - r).abs().max().item() for a, r in zip(tree, reference))
     stock = max((a.float() - r).abs().max().item() for a, r in zip(untreed, reference))
     assert 0 < error <= 1.5 * stock, (error, stock)
+
+
+def test_llama4_chunked_attention_is_exact_within_a_chunk_and_refused_past_it():
+    """Llama-4's local layers attend within chunks of ``attention_chunk_size`` positions: within one
+    chunk that is full attention (exact, packed and dfs; its backbone found under ``model`` although
+    the class names ``language_model``); a longer sequence is refused, not computed with the wrong mask."""
+    model = tiny_model("llama4")
+    assert "chunked_attention" in model.config.layer_types
+    seqs = random_tree(10, 96, max_len=40, seed=3)
+    for kwargs in ({}, {"mode": "dfs", "chunk_size": 3}):
+        assert_logps_close(tree_logprobs(model, seqs, **kwargs), untreed_logprobs(model, seqs))
+    with pytest.raises(ValueError, match=r"more than the model's attention_chunk_size \(64\)"):
+        tree_logprobs(model, [list(range(3, 3 + 65))])

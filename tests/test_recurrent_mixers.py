@@ -135,13 +135,11 @@ def test_a_node_off_the_middle_of_another_is_refused():
     assert [tuple(r.shape) for r in seg.rows] == [(1, 4), (1, 2)]
 
 
-#: models whose mixers the tree does not run (Zamba2's Mamba-2 beside shared attention blocks; attention-free
-#: Mamba and Mamba-2, whose layers never see the call's keyword arguments): tiny configs
+#: models whose mixers the tree does not run (attention-free Mamba and Mamba-2, whose layers never see the
+#: call's keyword arguments): tiny configs
 REFUSED_HYBRIDS = {
     "Mamba2Config": dict(num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8, chunk_size=8),
     "MambaConfig": dict(state_size=8),
-    "Zamba2Config": dict(mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16, mamba_ngroups=1,
-                         layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1]),
 }
 
 
@@ -164,14 +162,36 @@ def test_other_hybrids_are_refused_naming_their_layers(config):
         tree_logprobs(model, FORESTS["short"])
 
 
-def test_a_transformers_without_the_layers_kernel_is_refused_at_validation(monkeypatch):
-    """The tree calls the scan kernel of the layer's own module; where that transformers has none, the
-    model is refused when validated (a trainer's construction), not at its first step."""
-    import sys
+def fancy_scan(x):
+    """A kernel the engine does not know, decorated as transformers decorates the kernels it routes."""
+    return x
 
+
+fancy_scan.__wrapped__ = lambda x: x
+
+
+def test_a_layer_calling_a_kernel_the_engine_does_not_know_is_refused_naming_both():
+    """Mixers are found by the kernels their forward calls; a layer declared a mixer layer that calls
+    a sequence kernel the engine does not run is refused when the model is validated (a trainer's
+    construction), naming the layer, its class and the kernel — never run with the kernel unaware."""
     from trl_tree.engine.model_parts import model_parts
 
     model = tiny_model("nemotron_h")
-    monkeypatch.delattr(sys.modules[type(model.model.layers[0].mixer).__module__], "mamba2_chunk_scan")
-    with pytest.raises(ValueError, match="NemotronHMamba2Mixer of transformers .* exposes no mamba2_chunk_scan"):
+    mixer = model.model.layers[0].mixer
+    fancy = type("FancyMixer", (torch.nn.Module,), {"forward": lambda self, h, **kw: fancy_scan(h),
+                                                    "__module__": __name__})
+    model.model.layers[0].mixer = fancy()
+    with pytest.raises(ValueError, match=r"layer 0 \(\w+\): FancyMixer calls fancy_scan"):
         model_parts(model)
+    del mixer
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "lfm3", "zamba2"])
+def test_hybrids_run_by_their_kernels(family):
+    """No form of their own: Qwen3.5's DeltaNet (its projections split), OLMo-hybrid's, Kimi Delta
+    Attention (a decay per key channel; its latent attention's V narrower than K in the walk's stack),
+    LFM3's convolution and Zamba2's Mamba-2 (beside an attention block shared across layers) run
+    because their layers call the kernels the tree knows."""
+    model = tiny_model(family)
+    check_exact(model, FORESTS["deep"])
+    check_exact(model, FORESTS["wide"], mode="dfs", chunk_size=3)

@@ -25,6 +25,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 16}),
+    # Llama-4's text model: chunked local attention with RoPE in 3 of 4 layers (a chunk of 64 positions
+    # here), global NoPE layers with temperature-tuned queries, experts beside a shared MLP
+    "llama4": ("Llama4TextConfig", {"num_hidden_layers": 4, "head_dim": 8, "attention_chunk_size": 64,
+                                    "num_local_experts": 2, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
+                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                    "initializer_range": 0.05}),
     # a hybrid: short convolutions (kernel 3) between softmax-attention layers
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
                             "conv_L_cache": 3, "conv_bias": True}),
@@ -53,6 +59,39 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                               "expert_layer_offset": 1, "num_experts": 2, "mamba_d_state": 8, "mamba_dt_rank": 4,
                               # its fp32 step-by-step scan rounds at 1e-5 of a log-prob at sharper weights
                               "initializer_range": 0.05}),
+    # the 2026 hybrids: Qwen3.5's gated DeltaNet (projections split), dense and with experts; OLMo-hybrid's;
+    # Kimi Delta Attention (a decay per key channel) beside latent attention; LFM3's short convolutions
+    "qwen3_5": ("Qwen3_5TextConfig", {"num_hidden_layers": 4, "head_dim": 8, "linear_num_value_heads": 4,
+                                      "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                      "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"], "initializer_range": 0.02}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {"num_hidden_layers": 4, "head_dim": 8, "linear_num_value_heads": 4,
+                                             "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                                             "linear_value_head_dim": 8,
+                                             "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                             "linear_attention"],
+                                             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                             "shared_expert_intermediate_size": 16, "initializer_range": 0.02}),
+    "olmo_hybrid": ("OlmoHybridConfig", {"num_hidden_layers": 4, "linear_num_key_heads": 2,
+                                         "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                                         "linear_value_head_dim": 8, "pad_token_id": 0, "eos_token_id": 2,
+                                         "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                         "linear_attention"], "initializer_range": 0.02}),
+    "kimi_linear": ("KimiLinearConfig", {"num_hidden_layers": 4, "num_key_value_heads": 4, "linear_head_dim": 8,
+                                         "linear_num_heads": 4, "kv_lora_rank": 16, "q_lora_rank": None,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                         "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                         "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                         "linear_attention"], "initializer_range": 0.02}),
+    "lfm3": ("Lfm3Config", {"num_hidden_layers": 4, "head_dim": 8, "conv_L_cache": 3, "conv_bias": True,
+                            "layer_types": ["conv", "full_attention", "conv", "sliding_attention"],
+                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Mamba-2 layers and hybrid layers that add one attention block shared across them (its weights reused)
+    "zamba2": ("Zamba2Config", {"mamba_d_state": 8, "n_mamba_heads": 4, "mamba_headdim": 16, "mamba_ngroups": 1,
+                                "layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1],
+                                # fp32 rounding of its scan reaches 1e-5 of a log-prob at sharper weights
+                                "initializer_range": 0.05}),
     "granite_hybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
                                                   "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
                                                   "mamba_chunk_size": 8, "num_local_experts": 2,

@@ -117,6 +117,14 @@ def prepare(model: torch.nn.Module, seqs: Sequence[SequenceLike] | PrefixForest,
             f"sequence {seq} has {forest.max_depth} tokens, more than the {parts.max_positions} rows of the "
             f"model's position embeddings (max_position_embeddings)"
         )
+    if parts.attention_chunk is not None and forest.max_depth > parts.attention_chunk:
+        # past a chunk, a chunked layer's token no longer sees the tokens of earlier chunks: not the tree's mask
+        seq = int(forest.seq_lengths.argmax())
+        raise ValueError(
+            f"sequence {seq} has {forest.max_depth} tokens, more than the model's attention_chunk_size "
+            f"({parts.attention_chunk}): its chunked-attention layers would restart at the chunk's boundary, which "
+            "the tree does not compute; shorter sequences are exact (full attention within one chunk)"
+        )
     if rope_length is not None and (isinstance(rope_length, bool) or not isinstance(rope_length, int)
                                     or rope_length < forest.max_depth):
         raise ValueError(f"rope_length must be an int >= the longest sequence ({forest.max_depth}), got "

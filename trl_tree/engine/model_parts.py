@@ -21,10 +21,13 @@ from .mixers import (
     install_tree_mixers,
     unknown_mixers,
 )
+from .mixers.kernels import TREE_KERNELS
 
 #: layer types whose attention the tree computes exactly (sliding windows only while no sequence
-#: is longer than the window, checked per call by the attention function)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: is longer than the window, checked per call by the attention function; chunked attention — Llama-4's
+#: local layers — only while no sequence is longer than a chunk, where it is full attention: checked
+#: per call, ``ModelParts.attention_chunk``)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 #: RoPE types whose frequencies depend on the length of the call (``transformers``' ``dynamic_rope_update``)
@@ -40,6 +43,8 @@ class ModelParts:
     num_layers: int
     vocab_size: int
     max_positions: int | None
+    #: chunked attention's chunk (Llama-4's local layers): tokens attend within their chunk of positions
+    attention_chunk: int | None
     final_logit_softcapping: float | None
     logit_scale: float
     head_dim: int
@@ -142,6 +147,23 @@ def _logit_scale(text_config) -> float:
     return 1.0
 
 
+def _backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack under the head: ``base_model`` where the class's ``base_model_prefix`` names
+    it; else (Llama-4's text model names ``language_model``, which it only has inside the multimodal
+    model) the one child model that holds the input embeddings."""
+    backbone = causal_lm.base_model
+    if backbone is not causal_lm:
+        return backbone
+    embeddings = causal_lm.get_input_embeddings()
+    holders = [m for m in causal_lm.children() if isinstance(m, PreTrainedModel)
+               and any(sub is embeddings for sub in m.modules())]
+    if len(holders) != 1:
+        raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (its base_model_prefix "
+                        f"{causal_lm.base_model_prefix!r} names no module, and {len(holders)} child models hold the "
+                        "input embeddings)")
+    return holders[0]
+
+
 def model_parts(model: torch.nn.Module) -> ModelParts:
     """Validate ``model`` for the tree engine and return its parts.
 
@@ -165,16 +187,13 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     causal_lm = pretrained
     text_config = causal_lm.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or ()
-    backbone = causal_lm.base_model
-    if backbone is causal_lm:
-        raise TypeError(f"{type(causal_lm).__name__} exposes no backbone (base_model_prefix)")
+    backbone = _backbone_of(causal_lm)
     declares_mixers = any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)
     unknown = unknown_mixers(backbone, layer_types) if declares_mixers else []
     if unknown:
         raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "
-                         f"({'; '.join(unknown)}); it runs softmax attention, short convolutions (LFM2), "
-                         "gated DeltaNet (Qwen3-Next), Mamba-2 (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1) "
-                         "and Mamba (Jamba)")
+                         f"({'; '.join(unknown)}); it runs softmax attention and the mixers whose layers call "
+                         f"transformers' {', '.join(TREE_KERNELS)}")
     mixers = install_tree_mixers(backbone)  # hybrids: exact over the tree (trl_tree.engine.mixers)
     allowed = SUPPORTED_LAYER_TYPES + MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES + TOKENWISE_LAYER_TYPES
     unsupported = sorted({t for t in layer_types if t not in allowed})
@@ -205,6 +224,8 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         num_layers=num_layers,
         vocab_size=int(vocab),
         max_positions=getattr(text_config, "max_position_embeddings", None),
+        attention_chunk=(getattr(text_config, "attention_chunk_size", None) if "chunked_attention" in layer_types
+                         else None),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim_of(text_config),

@@ -20,6 +20,7 @@ with respect to every slot. A unit's attention (``_UnitAttention``):
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -52,44 +53,46 @@ class KVStack:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.dk: list[torch.Tensor | None] = [None] * num_layers
         self.dv: list[torch.Tensor | None] = [None] * num_layers
-        # a layer's sequence mixer (``trl_tree.engine.mixers``): its convolution's inputs by depth and their
-        # gradients, and the recurrent state at the end of each pushed node, keyed (layer, depth)
-        self.conv: list[torch.Tensor | None] = [None] * num_layers
-        self.dconv: list[torch.Tensor | None] = [None] * num_layers
-        self.states: dict[tuple[int, int], torch.Tensor] = {}
-        self.state_grads: dict[tuple[int, int], torch.Tensor] = {}
+        # the sequence kernels of mixer layers (``trl_tree.engine.mixers``), keyed by the kernel's call in its
+        # layer (``KernelCall.key``): each convolution's inputs by depth and their gradients, and each scan's
+        # state at the end of every pushed node, keyed (kernel, depth)
+        self.conv: dict[Hashable, torch.Tensor] = {}
+        self.dconv: dict[Hashable, torch.Tensor] = {}
+        self.states: dict[tuple[Hashable, int], torch.Tensor] = {}
+        self.state_grads: dict[tuple[Hashable, int], torch.Tensor] = {}
 
-    def buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[slots, heads, dim]`` K and V of ``layer`` by depth (V's head dim may differ from K's: latent
+        attention without its value padded)."""
         if self.k[layer] is None:
-            shape = (self.slots, *like.shape[1:])
-            self.k[layer] = like.new_zeros(shape)
-            self.v[layer] = like.new_zeros(shape)
+            self.k[layer] = key.new_zeros((self.slots, *key.shape[1:]))
+            self.v[layer] = value.new_zeros((self.slots, *value.shape[1:]))
         return self.k[layer], self.v[layer]
 
-    def conv_buffer(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+    def conv_buffer(self, kernel: Hashable, like: torch.Tensor) -> torch.Tensor:
         """``[slots, C]``: a convolution's inputs by depth (``mixers/conv.py``)."""
-        if self.conv[layer] is None:
-            self.conv[layer] = like.new_zeros((self.slots, *like.shape[1:]))
-        return self.conv[layer]
+        if kernel not in self.conv:
+            self.conv[kernel] = like.new_zeros((self.slots, *like.shape[1:]))
+        return self.conv[kernel]
 
-    def conv_grad_buffer(self, layer: int) -> torch.Tensor:
-        if self.dconv[layer] is None:
-            self.dconv[layer] = torch.zeros(self.grad_slots, *self.conv[layer].shape[1:], dtype=torch.float32,
-                                            device=self.conv[layer].device)
-        return self.dconv[layer]
+    def conv_grad_buffer(self, kernel: Hashable) -> torch.Tensor:
+        if kernel not in self.dconv:
+            self.dconv[kernel] = torch.zeros(self.grad_slots, *self.conv[kernel].shape[1:], dtype=torch.float32,
+                                             device=self.conv[kernel].device)
+        return self.dconv[kernel]
 
     def release(self) -> None:
         """Drop every buffer (the walk is over)."""
         n = len(self.k)
         self.k, self.v, self.dk, self.dv = [None] * n, [None] * n, [None] * n, [None] * n
-        self.conv, self.dconv = [None] * n, [None] * n
+        self.conv, self.dconv = {}, {}
         self.states, self.state_grads = {}, {}
 
     def grad_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dk[layer] is None:
-            shape = (self.grad_slots, *self.k[layer].shape[1:])
-            self.dk[layer] = torch.zeros(shape, dtype=torch.float32, device=self.k[layer].device)
-            self.dv[layer] = torch.zeros_like(self.dk[layer])
+            k, v = self.k[layer], self.v[layer]
+            self.dk[layer] = torch.zeros((self.grad_slots, *k.shape[1:]), dtype=torch.float32, device=k.device)
+            self.dv[layer] = torch.zeros((self.grad_slots, *v.shape[1:]), dtype=torch.float32, device=v.device)
         return self.dk[layer], self.dv[layer]
 
     # ------------------------------------------------ a stack kept between walks (``dfs/graphs.py``)
@@ -382,7 +385,7 @@ class _UnitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta: UnitAttentionMetadata, layer: int, scaling: float, variants=(None, None),
                 module: object = None):
-        kb, vb = meta.stack.buffers(layer, k)
+        kb, vb = meta.stack.buffers(layer, k, v)
         d, n = meta.depth, meta.num_tokens
         if meta.own_slots is None:
             kb[d : d + n] = k

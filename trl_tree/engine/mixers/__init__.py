@@ -1,25 +1,25 @@
 """Sequence mixers other than softmax attention, run over a prefix tree exactly.
 
 Hybrid models mix softmax-attention layers with layers whose token mixer is a short causal
-convolution (LFM2), a gated DeltaNet (Qwen3-Next), a Mamba-2 selective state space (Nemotron-H,
-Bamba, Granite-4 hybrid, Falcon-H1 — beside attention in the same layer) or Mamba-1 (Jamba). Every
-one of them is causal along a sequence, and a token's output depends only on its own root path: a
-convolution reads its ``k - 1`` nearest ancestors (``conv.py``); a recurrence reads the state its
-sequence had reached at the token's parent, which is the same for every sequence through the node
-(``scan.py``). So the tree computes each unique token once, as it does attention, and the gradients
-are exact.
+convolution (LFM2, LFM3), a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid), Kimi Delta Attention
+(Kimi-Linear), a Mamba-2 selective state space (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1 —
+beside attention in the same layer) or Mamba-1 (Jamba). Every one of them is causal along a
+sequence, and a token's output depends only on its own root path: a convolution reads its ``k - 1``
+nearest ancestors (``conv.py``); a recurrence reads the state its sequence had reached at the
+token's parent, which is the same for every sequence through the node (``scan.py``). So the tree
+computes each unique token once, as it does attention, and the gradients are exact.
 
-How it is wired: the mixer module stays in the model, its ``forward`` wrapped once
-(:func:`install_tree_mixers`). A call that carries tree metadata runs the mixer's tree form (built
-from the module's own projections, convolution weights, norms and transformers' own scan kernels:
-``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan`` — the field's kernels where transformers
-routes them there; Mamba-1's scan is written out, ``mamba1.py``); every other call (generation,
-TRL's own forward, the padded batch the engine runs where nothing is shared — right padding sits
-after every real token) runs the original forward. The metadata reaches the mixer with the
-attention's keyword arguments: where the decoder layer hands them down (recent transformers),
-directly; where it does not, through the layer, whose ``forward`` receives them and whose wrapper
-keeps the metadata in a context variable for the layer's duration. Either way HF's checkpointed
-recompute, which calls the layer again with the same arguments during the backward, finds it too.
+How it is wired: a mixer is a module whose forward calls one of the sequence kernels the engine runs
+over the tree (``kernels.py``: read from the layer's code, not its class name). The mixer stays in
+the model, its ``forward`` wrapped once (:func:`install_tree_mixers`). A call that carries tree
+metadata runs the mixer's own forward with the tree set for its kernels, which then compute over the
+tree; every other call (generation, TRL's own forward, the padded batch the engine runs where nothing
+is shared — right padding sits after every real token) runs the original forward and kernels. The
+metadata reaches the mixer with the attention's keyword arguments: where the decoder layer hands them
+down (recent transformers), directly; where it does not, through the layer, whose ``forward``
+receives them and whose wrapper keeps the metadata in a context variable for the layer's duration.
+Either way HF's checkpointed recompute, which calls the layer again with the same arguments during
+the backward, finds it too.
 """
 
 from __future__ import annotations
@@ -30,26 +30,7 @@ from contextvars import ContextVar
 import torch
 
 from ..attention.metadata import TREE_KWARG, DenseCausalBatch
-from . import deltanet, mamba2
-from .conv import lfm2_short_conv
-from .deltanet import gated_deltanet
-from .mamba1 import jamba_mamba
-from .mamba2 import mamba2_mixer
-from .scan import model_kernel
-
-#: mixer class name -> its tree form ``(module, hidden_states [1, n, H], meta) -> [1, n, H]``
-TREE_MIXERS = {
-    "Lfm2ShortConv": lfm2_short_conv,
-    "Lfm2MoeShortConv": lfm2_short_conv,
-    "Qwen3NextGatedDeltaNet": gated_deltanet,
-    "NemotronHMamba2Mixer": mamba2_mixer,
-    "BambaMixer": mamba2_mixer,
-    "GraniteMoeHybridMambaLayer": mamba2_mixer,
-    "FalconH1Mixer": mamba2_mixer,
-    "JambaMambaMixer": jamba_mamba,
-}
-#: tree form -> the transformers kernel it calls from the layer's module (checked at installation)
-KERNELS = {gated_deltanet: deltanet.KERNEL, mamba2_mixer: mamba2.KERNEL}
+from .kernels import end_tree_call, install_kernels, is_mixer, kernels_called, tree_call, unknown_kernels
 
 #: ``config.layer_types`` entries whose layer holds a sequence mixer instead of softmax attention
 MIXER_LAYER_TYPES = ("conv", "linear_attention", "mamba")
@@ -63,43 +44,47 @@ _CURRENT_CALL: ContextVar = ContextVar("trl_tree_mixer_call", default=None)
 
 
 def tree_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's sequence mixers the tree runs (modules of a class in :data:`TREE_MIXERS`)."""
-    return [m for m in model.modules() if type(m).__name__ in TREE_MIXERS]
+    """The model's sequence mixers the tree runs: modules whose forward calls a kernel it runs over
+    the tree and none it does not know."""
+    return [m for m in model.modules() if is_mixer(m) and not unknown_kernels(m)]
 
 
 def unknown_mixers(backbone: torch.nn.Module, layer_types) -> list[str]:
-    """``"layer i (type): Class"`` for every decoder layer declared a mixer layer that holds no mixer
-    the tree runs (Zamba2's Mamba-2 beside its shared blocks, a model newer than this list)."""
+    """``"layer i (type): Class calls kernel"`` for every decoder layer declared a mixer layer that holds
+    no mixer the tree runs (a kernel the engine does not know, a model newer than its list)."""
     layers = getattr(backbone, "layers", None)
     if layers is None:
         return []
     found = []
     for i, (layer, kind) in enumerate(zip(layers, layer_types)):
         if kind in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES and not tree_mixers(layer):
-            names = [type(m).__name__ for m in layer.children() if "norm" not in type(m).__name__.lower()]
-            found.append(f"layer {i} ({kind}): {', '.join(names) or type(layer).__name__}")
+            parts = []
+            for module in layer.children():
+                if "norm" in type(module).__name__.lower():
+                    continue
+                unknown = unknown_kernels(module) or [k for k in kernels_called(type(module))]
+                parts.append(f"{type(module).__name__}" + (f" calls {', '.join(unknown)}" if unknown else ""))
+            found.append(f"layer {i} ({kind}): {'; '.join(parts) or type(layer).__name__}")
     return found
 
 
 def install_tree_mixers(backbone: torch.nn.Module) -> int:
     """Wrap, once, every mixer of ``backbone`` and the decoder layer holding it (see the module
-    docstring), after finding their kernels; returns how many mixers the model has. Later calls
-    (every engine call validates its model) read the count kept on the backbone instead of walking
-    its modules again."""
+    docstring), with the kernels of their modeling modules; returns how many mixers the model has.
+    Later calls (every engine call validates its model) read the count kept on the backbone instead
+    of walking its modules again."""
     installed = getattr(backbone, "_trl_tree_mixers", None)
     if installed is not None:
         return installed
     mixers = tree_mixers(backbone)
-    for mixer in mixers:  # a transformers without the layer's kernel: refused before any call
-        form = TREE_MIXERS[type(mixer).__name__]
-        if form in KERNELS:
-            model_kernel(mixer, KERNELS[form])
+    for mixer in mixers:
+        install_kernels(type(mixer))
     held = {id(m) for m in mixers}
     for layer in backbone.modules():
         if any(id(m) in held for m in layer.children()):
             layer.forward = _carrying_call(layer, layer.forward)
     for mixer in mixers:
-        mixer.forward = functools.partial(_mixer_forward, mixer, mixer.forward, TREE_MIXERS[type(mixer).__name__])
+        mixer.forward = functools.partial(_mixer_forward, mixer, mixer.forward)
     backbone._trl_tree_mixers = len(mixers)
     return len(mixers)
 
@@ -146,7 +131,7 @@ def _carry_through_checkpoint(layer) -> None:
     layer._gradient_checkpointing_func = carrying_checkpoint
 
 
-def _mixer_forward(module, original, tree_form, hidden_states: torch.Tensor, *args, **kwargs):
+def _mixer_forward(module, original, hidden_states: torch.Tensor, *args, **kwargs):
     carried = kwargs.pop(TREE_KWARG, None)  # transformers versions that hand the layer's kwargs down
     meta = carried.meta if carried is not None else _CURRENT_CALL.get()
     if meta is None:
@@ -156,4 +141,8 @@ def _mixer_forward(module, original, tree_form, hidden_states: torch.Tensor, *ar
         return original(hidden_states, *args, **kwargs)
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
-    return tree_form(module, hidden_states, meta)
+    token = tree_call(module, meta)
+    try:  # the layer's own forward; its kernels see the tree (``kernels.py``)
+        return original(hidden_states, *args, **kwargs)
+    finally:
+        end_tree_call(token)

@@ -1,5 +1,6 @@
-"""Causal depthwise convolutions over a prefix tree: LFM2's short convolution, and the convolution
-in front of every gated DeltaNet and Mamba-2 scan.
+"""Causal depthwise convolutions over a prefix tree: transformers' ``causal_conv1d_fn`` — LFM2's and
+LFM3's short convolution, and the convolution in front of every gated DeltaNet, Kimi Delta
+Attention and Mamba scan.
 
 Why it can be exact: a depthwise causal convolution of kernel ``k`` gives each token a weighted
 sum of its own input and the inputs of the ``k - 1`` tokens before it in its sequence. In a prefix
@@ -15,7 +16,8 @@ pushed node's slots are its tokens' depths), reads the ``k - 1`` slots below its
 tokens whose ancestors sit there, and in its backward adds those slots' gradients into the
 stack's gradient buffer, which the owning node takes into its own backward when it is popped —
 the K/V stack's protocol (``dfs/stack.py``), one buffer per convolution. A convolution's slots are
-its own (``KVStack.conv_buffers``), so a layer may hold attention and a convolution.
+its own (``KVStack.conv_buffer``, keyed by the kernel's call in its layer), so a layer may hold
+attention and several convolutions.
 
 A recompute by HF's gradient checkpointing finds the same tables (they are cached on the call's
 metadata) and rewrites the same slot values; a recompute that ran the model's own convolution
@@ -24,7 +26,10 @@ would change the numbers (and torch's checkpoint refuses it: another count of sa
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
+from transformers.activations import ACT2FN
 
 from ..attention.metadata import TreeAttentionMetadata
 
@@ -50,10 +55,10 @@ def path_ancestors(meta: TreeAttentionMetadata, k: int) -> torch.Tensor:
 
 
 def tree_causal_conv(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta,
-                     layer: int) -> torch.Tensor:
+                     kernel: Hashable) -> torch.Tensor:
     """The depthwise causal convolution ``[n, C] -> [n, C]`` (``weight [C, 1, k]``, as
     ``nn.Conv1d(groups=C)`` holds it) of a tree call's rows, each over its root path: from the packed
-    forest's paths (``TreeAttentionMetadata``) or a walk unit's stack slots (``layer``: whose slots)."""
+    forest's paths (``TreeAttentionMetadata``) or a walk unit's stack slots (``kernel``: whose slots)."""
     k = weight.shape[-1]
     if isinstance(meta, TreeAttentionMetadata):
         sources = torch.cat([inputs, inputs.new_zeros(1, inputs.shape[-1])])
@@ -61,7 +66,7 @@ def tree_causal_conv(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     else:
         if meta.own_slots is not None:
             raise ValueError("a walk unit padded to buckets (CUDA graphs) does not run convolutions")
-        sources, ancestors = _unit_sources(meta, layer, k, inputs)
+        sources, ancestors = _unit_sources(meta, kernel, k, inputs)
     taps = weight[:, 0, :].flip(-1).t()  # [k, C]: row j weighs the ancestor j steps up (tap i: k - 1 - i back)
     out = torch.einsum("ukc,kc->uc", index_rows(sources.to(weight.dtype), ancestors), taps)
     if bias is not None:
@@ -69,24 +74,28 @@ def tree_causal_conv(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return out
 
 
-def lfm2_short_conv(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
-    """LFM2's short convolution (``in_proj`` into gates B, C and input x; ``C * conv(B * x)``;
-    ``out_proj``) on the row ``hidden_states [1, n, H]``, each token's convolution over its root path."""
-    b, c, inputs = module.in_proj(hidden_states[0]).chunk(3, dim=-1)
-    conv = tree_causal_conv(b * inputs, module.conv.weight, module.conv.bias, meta, module.layer_idx)
-    return module.out_proj(c * conv.to(c.dtype)).unsqueeze(0)
+def tree_causal_conv1d_fn(call, original, hidden_states: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None, activation: str | None = None, **kwargs) -> torch.Tensor:
+    """transformers' ``causal_conv1d_fn`` (``[1, C, n]`` channels first, ``weight [C, k]``, then the
+    activation, in the weight's dtype, and back to the input's) over the tree call's rows."""
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
+    out = tree_causal_conv(hidden_states[0].t(), weight.unsqueeze(1), bias, call.meta, call.key("conv"))
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.t().unsqueeze(0).to(hidden_states.dtype)
 
 
 @torch.compiler.disable
-def _unit_sources(meta, layer: int, k: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_sources(meta, kernel: Hashable, k: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The unit's convolution sources and their table (:func:`unit_ancestors`), its inputs written
-    into the layer's stack slots. Eager under compiled layers (``trl_tree.engine.compile``): it reads and
+    into the convolution's stack slots. Eager under compiled layers (``trl_tree.engine.compile``): it reads and
     writes the walk's Python-side stack, which a compiled graph would freeze."""
     stack, depth, n = meta.stack, meta.depth, meta.num_tokens
-    buf = stack.conv_buffer(layer, inputs)  # [slots, C]: the path's inputs by depth, then the unit's own
+    buf = stack.conv_buffer(kernel, inputs)  # [slots, C]: the path's inputs by depth, then the unit's own
     buf[depth : depth + n] = inputs.detach()
     low = max(0, depth - (k - 1))
-    grads = stack.conv_grad_buffer(layer) if torch.is_grad_enabled() else None
+    grads = stack.conv_grad_buffer(kernel) if torch.is_grad_enabled() else None
     sources = _StackedInputs.apply(inputs, buf, grads, low, depth, meta.pushed_tokens)
     return torch.cat([sources, sources.new_zeros(1, sources.shape[-1])]), unit_ancestors(meta, k, low)
 

@@ -1,18 +1,12 @@
-"""Mamba-2 mixers of hybrids (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1) over a prefix tree.
+"""Mamba-2's chunked SSD scan over a prefix tree: transformers' ``mamba2_chunk_scan`` (Nemotron-H,
+Bamba, Granite-4 hybrid, Falcon-H1, Zamba2's mixers; mamba-ssm's ``mamba_chunk_scan_combined`` where
+transformers routes it there), each node from its parent's final state (``scan.py``).
 
-transformers' Mamba-2 mixers share one forward (they differ in their configs' field names; the
-attention-free ``Mamba2ForCausalLM`` does not hand its layers the call's keyword arguments, so the
-engine refuses it; Falcon-H1's adds multipliers around the input projection and may leave out the
-gated norm): the
-layer's own pieces, in its order: ``in_proj`` into gate, ``xBC`` and ``dt``; the causal convolution
-over ``xBC`` (each token over its root path, ``conv.py``) and its activation; the selective scan
-through transformers' own chunked SSD kernel (``mamba2_chunk_scan``, or mamba-ssm's
-``mamba_chunk_scan_combined`` where transformers routes it there) with each node's initial state
-its parent's final state (``scan.py``); the gated RMS norm; ``out_proj``.
-
-Padding that leaves the state alone: the step is discretised (``softplus(dt + dt_bias)``, clamped to
-the layer's limits) before padding, so a padded row has ``dt = 0`` — no decay, no input — and
-``x = B = C = 0``.
+The layer calls it with ``x [1, n, H, P]``, ``dt [1, n, H]`` (raw: the kernel adds ``dt_bias``, takes
+the softplus and clamps to ``dt_limit``), ``A [H]``, ``B, C [1, n, G, N]`` and ``D``. Padding that
+leaves the state alone needs ``dt = 0`` after discretisation, so the step is discretised here, as the
+kernel would, before padding, and the kernel runs on it with none of those options: a padded row has
+``dt = 0`` — no decay, no input — and ``x = B = C = 0``.
 """
 
 from __future__ import annotations
@@ -20,42 +14,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .conv import tree_causal_conv
-from .scan import carried_state, hand_on, model_kernel, scan_segments, segments_of
-
-#: transformers' chunked SSD scan, in the layer's own module
-KERNEL = "mamba2_chunk_scan"
+from .scan import carried_state, hand_on, scan_segments, segments_of
 
 
-def mamba2_mixer(module, hidden_states: torch.Tensor, meta) -> torch.Tensor:
-    """The mixer on the tree call's row ``hidden_states [1, n, H]``."""
-    n, dtype = hidden_states.shape[1], hidden_states.dtype
-    heads, groups, state = module.num_heads, module.n_groups, module.ssm_state_size
-    falcon = hasattr(module, "mup_vector")  # Falcon-H1: multipliers around the input projection
-    projected = module.in_proj(hidden_states * module.ssm_in_multiplier if falcon else hidden_states)
-    if falcon:
-        projected = projected * module.mup_vector
-    gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, heads], dim=-1)
-    conv = tree_causal_conv(xbc, module.conv1d.weight, module.conv1d.bias, meta, module.layer_idx)
-    xbc = module.act(conv).to(xbc.dtype)
-    x, b, c = torch.split(xbc, [module.intermediate_size, groups * state, groups * state], dim=-1)
-    low, high = module.time_step_limit
-    dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high)
-    a = -torch.exp(module.A_log.float())
-    kernel = model_kernel(module, KERNEL)
+def tree_ssd_scan(call, original, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                  initial_states: torch.Tensor | None = None, dt_softplus: bool = False,
+                  dt_limit: tuple[float, float] = (0.0, float("inf")), return_final_states: bool = False,
+                  z: torch.Tensor | None = None, **kwargs):
+    """The kernel over the tree call's row; returns what the kernel returns (the output ``[1, n, H,
+    P]``, and the final state with ``return_final_states``)."""
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
+    if initial_states is not None:
+        raise ValueError("a tree call carries no cache: the scan starts from each node's parent's state")
+    if z is not None:
+        raise ValueError("mamba2_chunk_scan with a gate z inside the kernel: transformers' layers apply the gate in "
+                         "their norm, and the tree runs only that form")
+    meta, kernel = call.meta, call.key("scan")
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
 
     def scan(x_, dt_, b_, c_, initial):
-        return kernel(x_, dt_, a, b_, c_, chunk_size=module.chunk_size, D=module.D, initial_states=initial,
-                      return_final_states=True)
+        return original(x_, dt_, A, b_, c_, chunk_size=chunk_size, D=D, initial_states=initial,
+                        return_final_states=True)
 
-    zero = x.new_zeros(heads, module.head_dim, state, dtype=torch.float32)
-    out, final = scan_segments(segments_of(meta),
-                               [x.reshape(n, heads, module.head_dim), dt, b.reshape(n, groups, state),
-                                c.reshape(n, groups, state)],
-                               scan, carried_state(meta, module.layer_idx, x), zero)
-    if getattr(module, "mamba_rms_norm", True):
-        scanned = module.norm(out.reshape(1, n, -1), gate.unsqueeze(0))
-    else:  # Falcon-H1 without its gated norm: the gate alone
-        scanned = out.reshape(1, n, -1) * F.silu(gate.unsqueeze(0))
-    output = module.out_proj(scanned.to(dtype))
-    return hand_on(meta, module.layer_idx, output, final)
+    _, _, heads, head_dim = hidden_states.shape
+    zero = hidden_states.new_zeros(heads, head_dim, B.shape[-1], dtype=torch.float32)
+    out, final = scan_segments(segments_of(meta), [hidden_states[0], dt[0], B[0], C[0]], scan,
+                               carried_state(meta, kernel, hidden_states), zero)
+    out = hand_on(meta, kernel, out, final).unsqueeze(0)
+    return (out, final.unsqueeze(0)) if return_final_states else out

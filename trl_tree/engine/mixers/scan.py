@@ -25,7 +25,6 @@ when it is popped, takes the gradient its subtree left there into its own backwa
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,20 +80,6 @@ class Segments:
             order[np.concatenate(sizes)] = np.arange(num_rows)
         tensors = upload(arrays + [order], torch.int64, device)
         return cls(rows=tensors[0:-1:3], real=tensors[1:-1:3], sources=tensors[2:-1:3], order=tensors[-1])
-
-
-def model_kernel(module, name: str):
-    """The function ``name`` of the module that defines ``module``'s class — the scan kernel as the
-    layer calls it (transformers routes it to flash-linear-attention or mamba-ssm where installed);
-    a clear error where this transformers has none."""
-    kernel = getattr(sys.modules[type(module).__module__], name, None)
-    if kernel is None:
-        import transformers
-
-        raise ValueError(f"{type(module).__name__} of transformers {transformers.__version__} exposes no {name} (a "
-                         "scan from a given state): the tree runs the layer with transformers' own kernel, from the "
-                         "versions that have it")
-    return kernel
 
 
 def _call_cache(meta) -> dict:
