@@ -112,7 +112,7 @@ def _padded_moe_reference(model, seqs, logp_weight, aux_weight):
     return out.aux_loss.detach(), grads_of(model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe"])
 def test_moe_load_balancing_loss_over_the_tree(family):
     """Each unique token's router logits weighted by its multiplicity: the loss and every gradient
     equal the padded batch's — in one packed call, and taken apart over the depth-first walk."""

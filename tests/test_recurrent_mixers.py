@@ -8,6 +8,7 @@ checkpointing, LoRA and the GRPO, SFT and DPO trainers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -18,7 +19,11 @@ from test_short_conv import FORESTS, WALKS, check_exact
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from trl_tree import tree_logprobs  # noqa: E402
+from conftest import grads_of, weighted_loss  # noqa: E402
+
+from trl_tree import tree_backward, tree_logprobs  # noqa: E402
+from trl_tree.engine.mixers.deltanet import float64_kernels  # noqa: E402
+from trl_tree.engine.reference import untreed_backward, untreed_logprobs  # noqa: E402
 from trl_tree.engine.mixers.scan import ZERO, Segments, _parents  # noqa: E402
 from trl_tree.data.tiny import tiny_model  # noqa: E402
 
@@ -58,7 +63,8 @@ def test_scan_chunks_across_nodes(scan_chunk):
     check_exact(model, FORESTS["wide"], mode="dfs", chunk_size=2)
 
 
-@pytest.mark.parametrize("family,reentrant", [("qwen3_next", False), ("qwen3_next", True), ("jamba", False)])
+@pytest.mark.parametrize("family,reentrant", [("qwen3_next", False), ("qwen3_next", True), ("jamba", False),
+                                              ("qwen3_5", False)])
 def test_checkpointing(family, reentrant):
     """HF's checkpointed recompute calls the mixer again in the backward: it finds the tree's metadata,
     the same segments and the same stack states, and hands each state's gradient on once — also
@@ -74,6 +80,8 @@ def test_checkpointing(family, reentrant):
 
 
 @pytest.mark.parametrize("family,targets", [("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]),
+                                            ("qwen3_5", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                         "out_proj", "q_proj"]),
                                             ("nemotron_h", ["in_proj", "q_proj"])])
 def test_lora_on_the_mixers(family, targets):
     from peft import LoraConfig, get_peft_model
@@ -85,10 +93,11 @@ def test_lora_on_the_mixers(family, targets):
 
 
 #: trainer checkpoints: Qwen3-Next as released, hybrid and MoE with its load-balancing loss (CPU experts
-#: take no float64: compared in fp32, the whole update); Nemotron-H's Mamba-2, attention and MLP blocks
-#: in float64
+#: take no float64: compared in fp32, the whole update); Qwen3.5 dense and Nemotron-H's Mamba-2, attention and
+#: MLP blocks in float64
 TRAINED = {
     "qwen3_next": (dict(QWEN3_NEXT_MOE, router_aux_loss_coef=0.5), torch.float32),
+    "qwen3_5": ({}, torch.float64),
     "nemotron_h": (dict(layers_block_type=["mamba", "attention", "mlp", "mamba"]), torch.float64),
 }
 
@@ -99,21 +108,31 @@ def test_grpo_update_matches_stock(tmp_path, family):
     from trainer_harness import save_tiny_checkpoint
 
     fields, dtype = TRAINED[family]
-    compare(save_tiny_checkpoint(tmp_path / family, family, **fields), ("packed", "dfs"), **ONE_UPDATE, dtype=dtype)
+    with float64_kernels(tiny_model(family)) if dtype == torch.float64 else contextlib.nullcontext():
+        compare(save_tiny_checkpoint(tmp_path / family, family, **fields), ("packed", "dfs"), **ONE_UPDATE, dtype=dtype)
 
 
 @pytest.mark.parametrize("family", sorted(TRAINED))
 def test_sft_and_dpo_updates_match_stock(tmp_path, family):
-    from sft_harness import assert_same_update, dataset, run, save_sft_checkpoint
+    """Stock SFT and DPO updates; a float64 model's delta rule in float64 too (its kernel otherwise
+    computes in fp32, whose rounding moves with the chunks' boundaries: see the float64 test below)."""
+    from sft_harness import save_sft_checkpoint
+
+    fields, dtype = TRAINED[family]
+    whole = dtype == torch.float32
+    checkpoint = save_sft_checkpoint(tmp_path / family, family=family, **fields)
+    with float64_kernels(tiny_model(family)) if dtype == torch.float64 else contextlib.nullcontext():
+        _sft_and_dpo(checkpoint, dtype, whole)
+
+
+def _sft_and_dpo(checkpoint, dtype, whole):
+    from sft_harness import assert_same_update, dataset, run
     from test_dpo_trainer import compare as dpo_compare
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     from trl_tree import TreeSFTConfig, TreeSFTTrainer
 
-    fields, dtype = TRAINED[family]
-    whole = dtype == torch.float32
-    checkpoint = save_sft_checkpoint(tmp_path / family, family=family, **fields)
     start = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=dtype).named_parameters()}
     stock, _ = run(SFTTrainer, SFTConfig, checkpoint, dataset("turns"), dtype=dtype)
@@ -195,3 +214,26 @@ def test_hybrids_run_by_their_kernels(family):
     model = tiny_model(family)
     check_exact(model, FORESTS["deep"])
     check_exact(model, FORESTS["wide"], mode="dfs", chunk_size=3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_the_delta_rule_in_float64_leaves_only_the_heads_rounding(family):
+    """What the 1e-5-level differences of the delta-rule hybrids are: transformers' delta-rule kernels
+    compute in fp32 whatever the model's dtype, and their rounding moves with where chunks begin (a
+    tree's node starts chunks of its own). With those kernels in float64 (``float64_kernels``) a
+    float64 model's tree equals the untreed model to the fp32 log-prob head's last bits, packed and dfs."""
+    model = tiny_model(family, initializer_range=0.2).double()  # the sharper weights that amplify fp32 rounding
+    seqs = FORESTS["deep"]
+    with float64_kernels(model):
+        ref = untreed_logprobs(model, seqs)
+        model.zero_grad(set_to_none=True)
+        untreed_backward(model, seqs, weighted_loss)
+        ref_grads = grads_of(model)
+        for kwargs in ({}, {"mode": "dfs", "chunk_size": 4}):
+            got = tree_logprobs(model, seqs, **kwargs)
+            assert max(float((a - b).abs().max()) for a, b in zip(got, ref)) <= 2e-6
+            model.zero_grad(set_to_none=True)
+            tree_backward(model, seqs, weighted_loss, **kwargs)
+            grads = grads_of(model)
+            num = sum(float((grads[n] - g).pow(2).sum()) for n, g in ref_grads.items())
+            assert (num / sum(float(g.pow(2).sum()) for g in ref_grads.values())) ** 0.5 <= 1e-6

@@ -37,6 +37,7 @@ FAMILIES = {
     "nemotron_h": dict(),  # Mamba-2, attention, MoE and Mamba-2 blocks (TRL's "nano")
     "lfm2": dict(),
     "qwen3_next": dict(QWEN3_NEXT_MOE, router_aux_loss_coef=0.01),
+    "qwen3_5_moe": dict(router_aux_loss_coef=0.01),  # the hybrid flagship: TRL's newest tiny checkpoints
     # beyond TRL's list: the other hybrids the tree runs
     "falcon_h1": dict(),
     "jamba": dict(router_aux_loss_coef=0.01),

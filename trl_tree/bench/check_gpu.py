@@ -10,12 +10,15 @@ dimension 128 (every path) and 64 (the graphed paths, whose split runs on cuDNN 
 Each partial-kernel pair (FA2's, FA4's) is first checked alone against the math pair. Two
 attention variants on every eager path whose backend computes them (others are refused by
 name, recorded as skipped): sliding windows of 64 tokens (Mistral-shaped: every layer windowed)
-and Gemma-2's soft-capped attention with alternating windows.
+and Gemma-2's soft-capped attention with alternating windows; and a Qwen3.5 hybrid (gated
+DeltaNet through the kernels transformers routes to on this machine; its fp32 rows with those
+kernels computing in float64, as they otherwise compute in fp32 whatever the model's dtype).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 
@@ -28,6 +31,8 @@ from ..engine.attention.backends import BACKENDS, DFS_BACKENDS, backend_availabl
 from ..engine.attention.partial import PARTIAL_KERNELS
 from ..engine.attention.support import attention_refusal
 from ..engine.layout import layout_choices
+from ..engine.mixers import tree_mixers
+from ..engine.mixers.deltanet import float64_kernels
 from ..engine.reference import untreed_backward, untreed_logprobs
 from ..data.tiny import grpo_group, random_tree, tiny_config
 from .common import add_kernels_arg, apply_kernels, dump, environment
@@ -208,9 +213,18 @@ def _check_model(config, paths, device: torch.device, kernels: str, attn_impleme
         "grpo_p300_c100_g8": grpo_group(300, 100, 8, config.vocab_size, seed=1),
         "random_tree_24": random_tree(24, config.vocab_size, max_len=256, seed=2),
     }
+    # a hybrid's kernels compute in fp32 whatever the model's dtype (transformers' delta rule), their rounding
+    # moving with where chunks begin: the fp32 reference and the fp32 tree run them in float64, so the fp32
+    # rows check the tree's computation itself (mixers/deltanet.float64_kernels)
+    hybrid = bool(tree_mixers(model32))
+
+    def exact():
+        return float64_kernels(model32) if hybrid else contextlib.nullcontext()
+
     results, ok_all = [], True
     for name, seqs in workloads.items():
-        ref_logps, ref_grads = _run(model32, seqs, None)
+        with exact():
+            ref_logps, ref_grads = _run(model32, seqs, None)
         base = _errors(*_run(model16, seqs, None), ref_logps, ref_grads)
         results.append({"workload": name, "path": "untreed", "dtype": "bf16", **base})
         for backend, mode, split, checkpointed, graphs, label in paths:
@@ -227,7 +241,9 @@ def _check_model(config, paths, device: torch.device, kernels: str, attn_impleme
                     results.append({"workload": name, "path": label, "dtype": dtype, "skipped": "no CUDA graphs"})
                     continue
                 try:
-                    errs = _errors(*_run(model, seqs, backend, mode, split, checkpointed, graphs), ref_logps, ref_grads)
+                    with exact() if dtype == "fp32" else contextlib.nullcontext():
+                        errs = _errors(*_run(model, seqs, backend, mode, split, checkpointed, graphs), ref_logps,
+                                       ref_grads)
                 except Exception as e:  # noqa: BLE001 - a path that cannot run fails the check, the rest still run
                     ok_all = False
                     results.append({"workload": name, "path": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -238,7 +254,8 @@ def _check_model(config, paths, device: torch.device, kernels: str, attn_impleme
                     passed = errs["logp_max_abs"] <= 1e-5 and errs["grad_rel"] <= 1e-5
                 ok_all &= passed
                 results.append({"workload": name, "path": label, "dtype": dtype, **errs, "passed": passed})
-                print(f"{name} {label} {dtype} {'PASS' if passed else 'FAIL'}", flush=True)  # progress
+                print(f"{name} {label} {dtype} {'PASS' if passed else 'FAIL'} max|dlogp| {errs['logp_max_abs']:.3e} "
+                      f"grad rel {errs['grad_rel']:.3e}", flush=True)  # progress
     return ok_all, results
 
 
@@ -249,8 +266,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--paths", default=None,
                         help="check only the paths whose label contains one of these comma-separated strings "
                         "(e.g. dfs,graphs); the untreed reference always runs")
+    parser.add_argument("--models", default=None,
+                        help="check only these comma-separated models: qwen2 (head dims 128 and 64), window64, "
+                        "gemma2_softcap, qwen3_5_hybrid (default: all)")
     add_kernels_arg(parser)
     args = parser.parse_args(argv)
+    models = set(args.models.split(",")) if args.models else None
     device = torch.device(args.device)
     wanted = args.paths.split(",") if args.paths else None
     # the check is of FA4's own kernels: none of its calls may stand in on FA2 while a variant compiles
@@ -270,9 +291,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     for backend in BACKENDS:  # asking registers what a backend brings (FA4: its kernel pair)
         backend_available(backend, device, torch.bfloat16)
     results, ok_all = [], True
-    pairs_ok, pair_rows = _check_kernel_pairs(device) if device.type == "cuda" else (True, [])
+    pairs_ok, pair_rows = (_check_kernel_pairs(device) if device.type == "cuda" and models is None
+                           else (True, []))
     ok_all &= pairs_ok
     for heads, paths in ((2, chosen(_paths())), (4, chosen([p for p in _paths() if p[4]]))):
+        if models is not None and "qwen2" not in models:
+            continue
         # head_dim 128 (as Qwen2.5-1.5B/7B): the size at which the split and the dfs prefix run on cuDNN;
         # head_dim 64 (as Qwen2.5-0.5B): where only replayed graphs run the split's blocks on cuDNN
         config = tiny_config(
@@ -287,7 +311,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     variants = (("window64", tiny_config("mistral", **{**shape, "sliding_window": 64}), "sdpa"),
                 ("gemma2_softcap", tiny_config("gemma2", **{**shape, "sliding_window": 64, "query_pre_attn_scalar": 128,
                                                            "attn_logit_softcapping": 50.0}), "eager"))
+    # a hybrid: Qwen3.5's gated DeltaNet in 3 of 4 layers, its kernels those transformers routes to here (the
+    # environment's sequence_kernels: flash-linear-attention's where installed); the walk's replayed graphs
+    # do not run mixers (refused by name), so the eager paths only
+    hybrid = tiny_config("qwen3_5", **{**shape, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                                       "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    variants += (("qwen3_5_hybrid", hybrid, "sdpa"),)
     for name, config, implementation in variants:  # the eager paths (graphs replay the same kernels)
+        if models is not None and name not in models:
+            continue
         ok, rows = _check_model(config, chosen([p for p in _paths() if not p[4]]), device, args.kernels, implementation)
         ok_all &= ok
         results += [{"head_dim": f"128/{name}", **r} for r in rows]
@@ -297,9 +330,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAIL: {r['error']}"
             print(f"{r['head_dim']:>3} {r['workload']:22} {r['path']:40} {r['dtype']:5} {why}")
             continue
-        verdict = "reference" if r["path"] == "untreed" else ("PASS" if r["passed"] else "FAIL")
+        verdict = "reference" if r["path"].startswith("untreed") else ("PASS" if r["passed"] else "FAIL")
         print(f"{r['head_dim']:>3} {r['workload']:22} {r['path']:40} {r['dtype']:5} {r['logp_max_abs']:11.3e} {r['logp_mean_abs']:12.3e} {r['grad_rel']:10.3e}  {verdict}")
-    dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5", "kernel_pairs": pair_rows, "results": results, "passed": ok_all})
+    dump(args.out, {"environment": environment(args.kernels), "rule": f"bf16 tree error <= {RULE} x untreed bf16 error vs fp32 untreed; fp32 tree <= 1e-5 (hybrids: their fp32 rows with the kernels in float64)", "kernel_pairs": pair_rows, "results": results, "passed": ok_all})
     return 0 if ok_all else 1
 
 

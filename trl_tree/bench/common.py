@@ -199,15 +199,16 @@ def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.
 
 def shaped_name(size: str, family: str = "qwen2") -> str:
     """How a result file names ``tiny.shaped_config(size, family)``."""
-    return f"{'Qwen2.5' if family == 'qwen2' else 'Qwen3-Next (hybrid)'}-{size}-shaped"
+    names = {"qwen2": "Qwen2.5", "qwen3_next": "Qwen3-Next (hybrid)", "qwen3_5": "Qwen3.5 (hybrid)"}
+    return f"{names[family]}-{size}-shaped"
 
 
 def add_grpo_shape_args(parser) -> None:
     """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
     parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
-                        help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
-                             "DeltaNet in 3 of 4 layers, tiny.shaped_config)")
+                        help="qwen2: Qwen2.5's dense decoder; qwen3_next, qwen3_5: the hybrids of the same size "
+                             "(gated DeltaNet in 3 of 4 layers, tiny.shaped_config)")
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--completion", type=int, default=512)
@@ -282,6 +283,8 @@ def environment(kernels: str = "hf") -> dict:
         "kernels": _kernels_label(kernels),
         # what attn_backend="auto" may pick on a Hopper/Blackwell GPU (attention.backends.fa4_pays)
         "flash_attn_4": _version("flash-attn-4"),
+        # the packages transformers routes hybrid layers' kernels to (None: its PyTorch reference kernels)
+        "sequence_kernels": {name: _version(name) for name in ("flash-linear-attention", "causal-conv1d", "mamba-ssm")},
         # the host's intra-op threads: `accelerate launch` sets OMP_NUM_THREADS=1 per process where
         # a plain `python` run takes every core, so one-process and launched runs differ here
         "cpu_threads": torch.get_num_threads(),
@@ -466,8 +469,8 @@ def offline_bench_parser(algo: str, modes: tuple[str, ...], doc: str, modes_help
                                      description=doc.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
     parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
-                        help="qwen2: Qwen2.5's dense decoder; qwen3_next: the hybrid of the same size (gated "
-                             "DeltaNet in 3 of 4 layers, tiny.shaped_config)")
+                        help="qwen2: Qwen2.5's dense decoder; qwen3_next, qwen3_5: the hybrids of the same size "
+                             "(gated DeltaNet in 3 of 4 layers, tiny.shaped_config)")
     parser.add_argument("--shapes", default=None, help=f"comma-separated (default: all of workloads.{algo}_shapes)")
     parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated, of {modes}{modes_help}")
     parser.add_argument("--steps", type=int, default=5)

@@ -141,7 +141,7 @@ def tiny_model(family: str = "qwen2", seed: int = 0, attn_implementation: str = 
 
 
 #: model families ``shaped_config`` builds at the Qwen2.5 sizes
-SHAPED_FAMILIES = ("qwen2", "qwen3_next")
+SHAPED_FAMILIES = ("qwen2", "qwen3_next", "qwen3_5")
 
 
 def shaped_config(size: str = "1.5b", family: str = "qwen2", **overrides) -> PretrainedConfig:
@@ -150,7 +150,8 @@ def shaped_config(size: str = "1.5b", family: str = "qwen2", **overrides) -> Pre
     ``family="qwen3_next"``: the hybrid of the same size — Qwen3-Next's layers (gated DeltaNet in 3
     of every 4, gated softmax attention in the 4th) at Qwen2.5's width, depth, heads and dense MLP;
     the DeltaNet's heads in Qwen3-Next's proportions (128-wide, twice as many value as key heads,
-    key heads two thirds of the attention heads)."""
+    key heads two thirds of the attention heads). ``family="qwen3_5"``: the same with Qwen3.5's dense
+    layers (its DeltaNet's projections split)."""
     hidden, inter, layers, heads, kv, vocab, max_pos = QWEN2_SHAPES[size]
     fields = dict(
         vocab_size=vocab,
@@ -175,6 +176,15 @@ def shaped_config(size: str = "1.5b", family: str = "qwen2", **overrides) -> Pre
                                    for i in range(layers)],
                       # dense MLPs: no experts, so no load-balancing loss (TRL would ask for router logits)
                       num_experts=0, mlp_only_layers=list(range(layers)), router_aux_loss_coef=0.0)
+    elif family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig as config_class
+
+        key_heads = max(1, 2 * heads // 3)
+        fields.update(head_dim=hidden // heads, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+                      layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                   for i in range(layers)])
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
     else:
         raise ValueError(f"unknown shaped family {family!r}; choose one of {', '.join(SHAPED_FAMILIES)}")
     fields.update(overrides)

@@ -13,6 +13,11 @@ Padding that leaves the state alone: a padded row has ``k = 0`` (its L2 norm sta
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+
 import torch
 
 from .scan import carried_state, hand_on, scan_segments, segments_of
@@ -41,3 +46,30 @@ def tree_delta_rule(call, original, query: torch.Tensor, key: torch.Tensor, valu
                                carried_state(meta, kernel, value), zero)
     out = hand_on(meta, kernel, out, final)
     return out.unsqueeze(0), (final.unsqueeze(0) if output_final_state else None)
+
+
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling module sees it, with ``float32`` meaning float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def float64_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """The modeling modules of ``model``'s layers compute their kernels in float64 where they cast to
+    float32. transformers' delta-rule kernels compute in fp32 whatever the model's dtype, and their
+    rounding moves with where chunks begin (a tree's node starts chunks of its own): an exactness
+    check of the tree against the untreed model in float64 runs them so (tests, ``bench.check_gpu``)."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if type(m).__module__.startswith("transformers.models.")}
+    saved = {module: module.torch for module in modules if getattr(module, "torch", None) is torch}
+    try:
+        for module in saved:
+            module.torch = _Float64Torch("torch")
+        yield
+    finally:
+        for module, original in saved.items():
+            module.torch = original
