@@ -398,6 +398,10 @@ def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score
     _check_temperature(temperature)
     parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
     mode, opts = _resolve_auto(mode, parts, forest, opts)
+    if mode == "dfs" and parts.shared_layers:
+        raise ValueError(f"{type(parts.causal_lm).__name__} calls one attention or mixer module from several decoder "
+                         f"layers ({parts.shared_layers}): the depth-first walk keeps one stack per layer; "
+                         "mode='packed' computes it exactly")
     return parts, forest, mode, opts, forest.scoring_plan(score_from)
 
 

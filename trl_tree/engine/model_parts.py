@@ -30,6 +30,16 @@ from .mixers.kernels import TREE_KERNELS
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+#: families whose forward the tree does not reproduce, found by ``tests/family_enumeration.py``: model type -> why
+REFUSED_FAMILIES = {
+    "doge": "its attention adds a learned bias per key (dynamic mask attention) to the attention mask, which the "
+            "tree's attention replaces",
+    "hrm_text": "it runs its decoder layers several times per forward (its H and L cycles), where the engine keeps one "
+                "state per layer",
+    "modernbert-decoder": "its log-probs over the tree differ from its own forward (found by the family enumeration; "
+                          "the cause is not isolated yet)",
+}
+
 #: RoPE types whose frequencies depend on the length of the call (``transformers``' ``dynamic_rope_update``)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -45,6 +55,9 @@ class ModelParts:
     max_positions: int | None
     #: chunked attention's chunk (Llama-4's local layers): tokens attend within their chunk of positions
     attention_chunk: int | None
+    #: a module (with a ``layer_idx``) that several decoder layers call (Zamba2's shared transformer
+    #: blocks): its class name, or "" — the walk's per-layer stacks cannot hold it
+    shared_layers: str
     final_logit_softcapping: float | None
     logit_scale: float
     head_dim: int
@@ -188,6 +201,18 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     text_config = causal_lm.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or ()
     backbone = _backbone_of(causal_lm)
+    why = REFUSED_FAMILIES.get(text_config.model_type)
+    if why is not None:
+        raise ValueError(f"{type(causal_lm).__name__} is refused by the tree engine: {why}")
+    if not (getattr(causal_lm, "_supports_attention_backend", False) or getattr(causal_lm, "_supports_sdpa", False)
+            or any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)):
+        raise ValueError(f"{type(causal_lm).__name__}'s layers compute attention (or their recurrence) in code of their "
+                         "own, not through transformers' attention interface, where the tree computes attention")
+    bidirectional = sorted({type(m).__name__ for m in backbone.modules() if getattr(m, "is_causal", None) is False})
+    if bidirectional:  # BERT-style models under a causal-LM head without is_decoder=True: every token sees the next
+        raise ValueError(f"{type(causal_lm).__name__} has attention that is not causal ({', '.join(bidirectional)}: "
+                         "is_causal=False); the tree computes causal attention only. An encoder family trains as a "
+                         "causal LM with is_decoder=True in its config")
     declares_mixers = any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)
     unknown = unknown_mixers(backbone, layer_types) if declares_mixers else []
     if unknown:
@@ -213,6 +238,11 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
             "out. Leave lm_head out of target_modules, or train it whole with modules_to_save=['lm_head']"
         )
     vocab = causal_lm.get_input_embeddings().num_embeddings
+    try:
+        head_dim = head_dim_of(text_config)
+    except Exception as e:  # noqa: BLE001 - a config whose attention shape varies per layer (Gemma-4 unified)
+        raise ValueError(f"{type(causal_lm).__name__}'s config gives no one attention shape ({type(e).__name__}: "
+                         f"{str(e)[:120]}); the tree engine reads one head dimension per model") from e
     return ModelParts(
         weight_dtype=_layer_dtype(backbone, causal_lm.get_input_embeddings(), lm_head),
         absolute_positions=_has_absolute_positions(backbone, causal_lm.get_input_embeddings()),
@@ -226,9 +256,10 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         max_positions=getattr(text_config, "max_position_embeddings", None),
         attention_chunk=(getattr(text_config, "attention_chunk_size", None) if "chunked_attention" in layer_types
                          else None),
+        shared_layers=_shared_layers(backbone),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
-        head_dim=head_dim_of(text_config),
+        head_dim=head_dim,
         mixer_layers=mixers,
         tree_calls=attention + mixers,
     )
@@ -259,6 +290,20 @@ def value_model_parts(model: torch.nn.Module, value_head: torch.nn.Module) -> Mo
     parts.value_head = value_head
     parts.scores_logps = False
     return parts
+
+
+def _shared_layers(backbone: torch.nn.Module) -> str:
+    """The class of a module whose ``layer_idx`` (the index the engine keys a layer's state by) is held
+    under more than one decoder layer — Zamba2's shared attention blocks, numbered by block — or ""."""
+    owners: dict[object, set[int]] = {}
+    names: dict[object, str] = {}
+    for i, layer in enumerate(getattr(backbone, "layers", None) or ()):
+        for module in layer.modules():
+            index = getattr(module, "layer_idx", None)
+            if isinstance(index, int):
+                owners.setdefault(index, set()).add(i)
+                names[index] = type(module).__name__
+    return next((names[k] for k, v in owners.items() if len(v) > 1), "")
 
 
 def _layer_dtype(backbone: torch.nn.Module, token_embeddings: torch.nn.Module, lm_head: torch.nn.Module | None
