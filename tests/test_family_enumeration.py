@@ -5,8 +5,13 @@ enumeration of transformers' causal-LM families is ``python tests/family_enumera
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
-from family_enumeration import check
+from family_enumeration import BEGIN, END, check, markdown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: family -> the verdict it must get
 SHARE = {
@@ -20,3 +25,13 @@ SHARE = {
 def test_a_family_is_exact_or_refused(family):
     row = check(family)
     assert row["verdict"] == SHARE[family], row
+
+
+def test_the_models_page_lists_the_enumerations_verdicts():
+    """docs/models.md's list of every family is the committed enumeration's, as generated."""
+    with open(os.path.join(ROOT, "docs/benchmarks/families_cpu.json")) as f:
+        expected = markdown(json.load(f))
+    with open(os.path.join(ROOT, "docs/models.md")) as f:
+        page = f.read()
+    assert page[page.index(BEGIN): page.index(END) + len(END)] == expected, (
+        "regenerate: python tests/family_enumeration.py --markdown docs/benchmarks/families_cpu.json")
