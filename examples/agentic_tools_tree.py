@@ -215,6 +215,10 @@ def _train(args, workdir: str) -> None:
                   f"tool calls {log.get('tools/call_frequency', float('nan')):.2f} per rollout, "
                   f"reward {log.get('reward', 0):.2f}")
     print(learning_line(rewards))
+    # every rank closes the process group before the interpreter exits (Accelerate's end of a script):
+    # torch 2.15's gloo threads can abort an exit that leaves it open
+    trainer.accelerator.end_training()
+
 
 if __name__ == "__main__":
     main()

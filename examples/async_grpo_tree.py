@@ -85,6 +85,9 @@ def _train(args, workdir: str) -> None:
     logs = [h for h in trainer.state.log_history if h.get("reward") is not None]
     print(f"{learning_line([h['reward'] for h in logs])}; T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; "
           f"staleness max {max(h.get('sample/staleness_max') or 0 for h in logs):.0f}")
+    # every rank closes the process group before the interpreter exits (Accelerate's end of a script):
+    # torch 2.15's gloo threads can abort an exit that leaves it open
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ def _train(args, workdir: str) -> None:
         if args.steps <= warmup:
             print(f"all {args.steps} steps were the critic's warm-up (critic_warmup_steps={warmup}): the policy has "
                   f"not trained yet; run more than {warmup} steps")
+    # every rank closes the process group before the interpreter exits (Accelerate's end of a script):
+    # torch 2.15's gloo threads can abort an exit that leaves it open
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ def _train(args, workdir: str) -> None:
         print(f"{learning_line([h['objective/scores'] for h in logs])}; "
               f"kl {logs[-1].get('objective/kl', 0):.4f}; T/U {logs[-1].get('tree/dedup_ratio', 1.0):.2f}; "
               f"processes {trainer.accelerator.num_processes}")
+    # every rank closes the process group before the interpreter exits (Accelerate's end of a script):
+    # torch 2.15's gloo threads can abort an exit that leaves it open
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

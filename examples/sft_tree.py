@@ -98,6 +98,9 @@ def _train(args, workdir: str) -> None:
         print(f"{learning_line([h['loss'] for h in logs], 'loss')}; token accuracy "
               f"{logs[0]['mean_token_accuracy']:.2f} -> {logs[-1]['mean_token_accuracy']:.2f}; "
               f"T/U {ratio if args.mode != 'off' else 1.0:.2f}; processes {trainer.accelerator.num_processes}")
+    # every rank closes the process group before the interpreter exits (Accelerate's end of a script):
+    # torch 2.15's gloo threads can abort an exit that leaves it open
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
