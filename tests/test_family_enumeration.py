@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARE = {
     "llama": "exact", "qwen3_5_text": "exact", "qwen3_5_moe_text": "exact", "olmo_hybrid": "exact",
     "kimi_linear": "exact", "lfm3": "exact", "llama4_text": "exact", "glm4_moe": "exact", "gpt2": "exact",
-    "bert": "refused", "mamba": "refused", "gemma4_unified_text": "refused",
+    "bert": "refused", "mamba": "refused", "gemma4_unified_text": "refused", "openai-gpt": "refused",
+    "doge": "refused",
 }
 
 

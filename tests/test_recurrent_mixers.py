@@ -237,3 +237,13 @@ def test_the_delta_rule_in_float64_leaves_only_the_heads_rounding(family):
             grads = grads_of(model)
             num = sum(float((grads[n] - g).pow(2).sum()) for n, g in ref_grads.items())
             assert (num / sum(float(g.pow(2).sum()) for g in ref_grads.values())) ** 0.5 <= 1e-6
+
+
+def test_a_block_shared_by_several_layers_is_exact_packed_and_refused_by_the_walk():
+    """Zamba2's hybrid layers reuse one attention block, numbered by the block: two layers calling it
+    would share the walk's per-layer stack, so dfs is refused (it read 1e-3 off before); packed is exact."""
+    model = tiny_model("zamba2", layers_block_type=["mamba", "hybrid", "hybrid"], hybrid_layer_ids=[1, 2],
+                       num_hidden_layers=3)
+    check_exact(model, FORESTS["short"])
+    with pytest.raises(ValueError, match=r"from several decoder layers \(Zamba2\w+\).*mode='packed'"):
+        tree_logprobs(model, FORESTS["short"], mode="dfs")

@@ -41,6 +41,7 @@ from .model_parts import (
     is_dropout_site,
     model_parts,
     value_model_parts,
+    walk_refusal,
 )
 from .options import TreeOptions, merge_deprecated
 from .packed import (  # noqa: F401  (tree_forward, call_token_loss, TokenLoss: importable from here as before)
@@ -398,10 +399,9 @@ def _prepared_call(model, seqs, mode: str, opts: TreeOptions, temperature, score
     _check_temperature(temperature)
     parts, forest = prepare(model, seqs, rope_length, lm_head_fp32, router, value_head, values_only)
     mode, opts = _resolve_auto(mode, parts, forest, opts)
-    if mode == "dfs" and parts.shared_layers:
-        raise ValueError(f"{type(parts.causal_lm).__name__} calls one attention or mixer module from several decoder "
-                         f"layers ({parts.shared_layers}): the depth-first walk keeps one stack per layer; "
-                         "mode='packed' computes it exactly")
+    why = walk_refusal(parts) if mode == "dfs" else None
+    if why is not None:
+        raise ValueError(f"{why}; mode='packed' computes it exactly")
     return parts, forest, mode, opts, forest.scoring_plan(score_from)
 
 

@@ -208,7 +208,7 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
             or any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)):
         raise ValueError(f"{type(causal_lm).__name__}'s layers compute attention (or their recurrence) in code of their "
                          "own, not through transformers' attention interface, where the tree computes attention")
-    bidirectional = sorted({type(m).__name__ for m in backbone.modules() if getattr(m, "is_causal", None) is False})
+    bidirectional, shared_layers = _layer_facts(backbone)
     if bidirectional:  # BERT-style models under a causal-LM head without is_decoder=True: every token sees the next
         raise ValueError(f"{type(causal_lm).__name__} has attention that is not causal ({', '.join(bidirectional)}: "
                          "is_causal=False); the tree computes causal attention only. An encoder family trains as a "
@@ -256,7 +256,7 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         max_positions=getattr(text_config, "max_position_embeddings", None),
         attention_chunk=(getattr(text_config, "attention_chunk_size", None) if "chunked_attention" in layer_types
                          else None),
-        shared_layers=_shared_layers(backbone),
+        shared_layers=shared_layers,
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         logit_scale=_logit_scale(text_config),
         head_dim=head_dim,
@@ -290,6 +290,25 @@ def value_model_parts(model: torch.nn.Module, value_head: torch.nn.Module) -> Mo
     parts.value_head = value_head
     parts.scores_logps = False
     return parts
+
+
+def walk_refusal(parts: ModelParts) -> str | None:
+    """Why the depth-first walk cannot run this model (packed mode can), or None."""
+    if parts.shared_layers:
+        return (f"{type(parts.causal_lm).__name__} calls one attention or mixer module from several decoder layers "
+                f"({parts.shared_layers}): the depth-first walk keeps one stack per layer")
+    return None
+
+
+def _layer_facts(backbone: torch.nn.Module) -> tuple[list[str], str]:
+    """``(classes of attention that is not causal, the class several layers share or "")``: read from
+    the modules once per backbone (every engine call validates its model; its structure stays)."""
+    facts = getattr(backbone, "_trl_tree_layer_facts", None)
+    if facts is None:
+        facts = (sorted({type(m).__name__ for m in backbone.modules() if getattr(m, "is_causal", None) is False}),
+                 _shared_layers(backbone))
+        backbone._trl_tree_layer_facts = facts
+    return facts
 
 
 def _shared_layers(backbone: torch.nn.Module) -> str:

@@ -71,12 +71,11 @@ def attention_refusal(model, attn_backend: str, device: torch.device, dtype: tor
     if why is not None:
         return f"{type(model).__name__}: {why}; set tree_attn_backend accordingly or tree_mode='off'"
     if mode == "dfs":  # the walk's own rule: which backends it takes at all, and whether this one runs here
-        from ..model_parts import model_parts
+        from ..model_parts import model_parts, walk_refusal
 
-        shared = model_parts(model).shared_layers
-        if shared:
-            return (f"{type(model).__name__} calls one attention or mixer module from several decoder layers "
-                    f"({shared}): the depth-first walk keeps one stack per layer; set tree_mode='packed'")
+        why = walk_refusal(model_parts(model))
+        if why is not None:
+            return f"{why}; set tree_mode='packed'"
         try:
             backends.resolve_dfs_backend(backend, device, dtype, **features)
         except ValueError as e:

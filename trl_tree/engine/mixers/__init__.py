@@ -62,7 +62,7 @@ def unknown_mixers(backbone: torch.nn.Module, layer_types) -> list[str]:
             for module in layer.children():
                 if "norm" in type(module).__name__.lower():
                     continue
-                unknown = unknown_kernels(module) or [k for k in kernels_called(type(module))]
+                unknown = unknown_kernels(module) or list(kernels_called(type(module)))
                 parts.append(f"{type(module).__name__}" + (f" calls {', '.join(unknown)}" if unknown else ""))
             found.append(f"layer {i} ({kind}): {'; '.join(parts) or type(layer).__name__}")
     return found

@@ -78,8 +78,6 @@ def tree_causal_conv1d_fn(call, original, hidden_states: torch.Tensor, weight: t
                           bias: torch.Tensor | None = None, activation: str | None = None, **kwargs) -> torch.Tensor:
     """transformers' ``causal_conv1d_fn`` (``[1, C, n]`` channels first, ``weight [C, k]``, then the
     activation, in the weight's dtype, and back to the input's) over the tree call's rows."""
-    if hidden_states.shape[0] != 1:
-        raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
     out = tree_causal_conv(hidden_states[0].t(), weight.unsqueeze(1), bias, call.meta, call.key("conv"))
     if activation is not None:
         out = ACT2FN[activation](out)

@@ -29,8 +29,6 @@ def tree_delta_rule(call, original, query: torch.Tensor, key: torch.Tensor, valu
     """The kernel over the tree call's row; returns ``(out [1, n, Hv, dv], final state or None)`` as
     the kernel does. The call's other keyword arguments (a packed batch's ``cu_seqlens``) describe a
     padded batch the tree replaces and are not passed on."""
-    if query.shape[0] != 1:
-        raise ValueError(f"a tree call is one packed row, got a batch of {query.shape[0]}")
     if initial_state is not None:
         raise ValueError("a tree call carries no cache: the delta rule starts from each node's parent's state")
     meta, kernel = call.meta, call.key("scan")

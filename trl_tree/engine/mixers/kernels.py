@@ -70,9 +70,10 @@ _CALL: ContextVar[KernelCall | None] = ContextVar("trl_tree_kernel_call", defaul
 
 
 def tree_call(module: torch.nn.Module, meta):
-    """Set the tree call for the kernels ``module``'s forward calls; returns the token to reset."""
-    return _CALL.set(KernelCall(meta, getattr(module, "layer_idx", None) if getattr(module, "layer_idx", None)
-                                is not None else id(module)))
+    """Set the tree call for the kernels ``module``'s forward calls; returns the token to reset. The
+    mixer's wrapper has checked the call is one packed row, so the kernels' tree forms take it so."""
+    layer = getattr(module, "layer_idx", None)
+    return _CALL.set(KernelCall(meta, layer if layer is not None else id(module)))
 
 
 def end_tree_call(token) -> None:

@@ -36,8 +36,6 @@ def tree_selective_scan(call, original, hidden_states: torch.Tensor, dt: torch.T
                         return_last_state: bool = False, **kwargs):
     """The kernel (channels first: ``hidden_states, dt, z [1, D, n]``, ``B, C [1, N, n]``) over the tree
     call's row; returns the output ``[1, D, n]`` (and the final state with ``return_last_state``)."""
-    if hidden_states.shape[0] != 1:
-        raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
     meta, kernel = call.meta, call.key("scan")
     x, dt = hidden_states[0].t(), dt[0].t()
     if delta_bias is not None:

@@ -24,8 +24,6 @@ def tree_ssd_scan(call, original, hidden_states: torch.Tensor, dt: torch.Tensor,
                   z: torch.Tensor | None = None, **kwargs):
     """The kernel over the tree call's row; returns what the kernel returns (the output ``[1, n, H,
     P]``, and the final state with ``return_final_states``)."""
-    if hidden_states.shape[0] != 1:
-        raise ValueError(f"a tree call is one packed row, got a batch of {hidden_states.shape[0]}")
     if initial_states is not None:
         raise ValueError("a tree call carries no cache: the scan starts from each node's parent's state")
     if z is not None:
