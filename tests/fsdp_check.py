@@ -23,6 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+#: decoder layers of the tiny model: enough that one block's bytes are a small part of the whole
+LAYERS = 4
 #: name -> (storage dtype, MixedPrecisionPolicy kwargs or None)
 POLICIES = {
     "none": (torch.float64, None),
@@ -57,13 +59,79 @@ def _sharded(policy, mesh, state):
     from trl_tree.data.tiny import tiny_model
 
     dtype, mp = POLICIES[policy]
-    model = tiny_model().to(dtype)
+    model = tiny_model(num_hidden_layers=LAYERS).to(dtype)
     model.load_state_dict(state)
     kwargs = {} if mp is None else {"mp_policy": MixedPrecisionPolicy(**mp)}
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=True, **kwargs)  # as Accelerate's fsdp_reshard_after_forward
     return model
+
+
+#: the policies the block-by-block runs take (float64 and Accelerate's bf16)
+BLOCK_POLICIES = ("none", "bf16")
+
+
+def _block_runs(policy, model, data, rank, expected, counts) -> dict:
+    """Gathered block by block (``fsdp.block_held``, the ranks' calls lined up by ``CallLockstep``) on
+    calls that differ between the ranks: packed in one call, packed cut into ``rank + 1`` calls, and
+    the walk in chunks (each rank's forests make their own number of units). Per run: the gradient
+    errors, the all-gathers, the stand-in calls, and the peak of unsharded decoder-layer parameter
+    bytes, read at every all-gather FSDP2 issues (the block being gathered counted in), against one
+    block's bytes."""
+    from trl_tree import PrefixForest, tree_backward
+    from trl_tree.distributed import fsdp
+    from trl_tree.distributed.lockstep import CallLockstep
+
+    blocks = [m for m in fsdp.fsdp_modules(model)[1:]]
+
+    def block_bytes(m) -> int:
+        return sum(p.numel() * p.element_size() for g in fsdp._groups(m) for p in g.fsdp_params
+                   for p in [p.unsharded_param] if g.is_unsharded)
+
+    one_block = max(sum(fp._orig_size.numel() for g in fsdp._groups(m) for fp in g.fsdp_params) for m in blocks)
+    peak = [0]
+    # FSDP2's all-gather (``all_gather_single`` in newer torch, ``all_gather_into_tensor`` before), output first
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def watching(gather):
+        def watched(*args, **kwargs):
+            held = sum(block_bytes(m) for m in blocks)
+            peak[0] = max(peak[0], held + args[0].numel() * args[0].element_size())  # the block being gathered
+            return gather(*args, **kwargs)
+        return watched
+
+    for name, gather in originals.items():
+        setattr(dist, name, watching(gather))
+    out = {}
+    try:
+        for run, mode, calls in (("block-packed", "packed", 1), ("block-budget", "packed", rank + 1),
+                                 ("block-dfs", "dfs", 1)):
+            model.zero_grad(set_to_none=True)
+            counts["all_gather"] = 0
+            peak[0] = 0
+            lockstep = CallLockstep(torch.device("cpu"))
+            for micro in range(2):
+                seqs = data[rank][micro]
+                step = -(-len(seqs) // calls)
+                with fsdp.block_held(model, lockstep):
+                    for start in range(0, len(seqs), step):
+                        def token_loss(lp, seq_idx, pos, _start=start, **_):
+                            return _token_loss(lp, seq_idx + _start, pos)
+
+                        tree_backward(model, PrefixForest.from_sequences(seqs[start:start + step]), token_loss,
+                                      score_from=2, mode=mode, chunk_size=3 if mode == "dfs" else None)
+            fsdp.reduce_gradients(model, torch.device("cpu"))
+            dtype_size = next(iter(blocks[0].parameters())).element_size() if policy == "none" else 2
+            out[(policy, run)] = {"errors": _errors(model, expected), "gathers": counts["all_gather"],
+                                  "standins": lockstep.standins, "slots": lockstep.slots, "peak_bytes": peak[0],
+                                  "block_bytes": one_block * dtype_size, "blocks": len(blocks), "groups": len(blocks) + 1,
+                                  "sharded": type(model.lm_head.weight).__name__}
+    finally:
+        for name, gather in originals.items():
+            setattr(dist, name, gather)
+    return out
 
 
 def main(out_path: str) -> None:
@@ -78,7 +146,7 @@ def main(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    reference = tiny_model().double()
+    reference = tiny_model(num_hidden_layers=LAYERS).double()
     counts = {"all_gather": 0, "reduce_scatter": 0}
     # FSDP2's collectives (torch.distributed.fsdp._fully_shard._fsdp_collectives call them through
     # ``torch.distributed``; the names differ between torch releases: the *_single ones are newer); gloo has no
@@ -146,6 +214,8 @@ def main(out_path: str) -> None:
                                       "reduce_scatters": counts["reduce_scatter"], "groups": groups,
                                       "sharded": type(model.lm_head.weight).__name__}
         fsdp._REDUCE_WITHOUT_BACKWARD = True  # the library's way again for what follows
+        if policy in BLOCK_POLICIES:
+            results.update(_block_runs(policy, model, data, rank, expected["two"], counts))
         # FSDP2's own backward through a packed tree call (the trainers' one-pass path): the root kept
         # unsharded from the forward to the LM head's scoring, FSDP2 reducing in its backward
         model.zero_grad(set_to_none=True)

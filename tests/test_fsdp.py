@@ -45,7 +45,9 @@ def _worst(result: dict) -> float:
 def test_fsdp2_walk_gathers_once_and_reduces_once_under_mixed_precision(tmp_path):
     """Every policy Accelerate's FSDP2 sets (none; bf16 parameters with an fp32 reduction, forward
     inputs cast or not; and fp32 parameters over fp64 storage, which runs the same casts at fp32
-    tolerances): packed, packed cut into calls, the walk and FSDP2's own one-pass backward."""
+    tolerances): packed, packed cut into calls, the walk and FSDP2's own one-pass backward; and the
+    same gathered block by block on calls that differ between the ranks (lined up by stand-in calls),
+    the unsharded layer bytes never above two blocks'."""
     out = tmp_path / "fsdp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -67,6 +69,19 @@ def test_fsdp2_walk_gathers_once_and_reduces_once_under_mixed_precision(tmp_path
             assert r["gathers"] == 2 * r["groups"] and r["reduce_scatters"] == r["groups"], (policy, run, r)
             assert r["reduce_gathers"] == 0, f"{policy}/{run}: {r['reduce_gathers']} gathers to reduce"
             assert r["sharded"] == "DTensor"
+        if policy in ("none", "bf16"):  # gathered block by block, on calls that differ between the ranks
+            for run in ("block-packed", "block-budget", "block-dfs"):
+                r = results[(policy, run)]
+                assert r["sharded"] == "DTensor"
+                # one block gathered at a time, and at most the next one prefetched beside it
+                assert r["peak_bytes"] <= 2 * r["block_bytes"] < r["blocks"] * r["block_bytes"], (policy, run, r)
+                assert r["gathers"] > 2 * r["groups"], f"{policy}/{run}: held whole ({r['gathers']} all-gathers)"
+                worst = _worst(r)
+                bound = 1.5 * _worst(results[(policy, "untreed-two")]) if policy == "bf16" else 1e-5
+                assert worst <= bound, f"{policy}/{run}: gradients differ from the unsharded fp64 average by {worst:.2e}"
+            # the ranks' calls differ (rank 1 cuts its rows into two calls; the walks' units differ): lined up
+            assert results[(policy, "block-budget")]["standins"] > 0
+            assert results[(policy, "block-dfs")]["standins"] > 0
         # the fallback (a torch whose FSDP2 lacks those steps): a one-token forward gathers each group once
         r = results[(policy, "packed-reduced-by-backward")]
         assert r["reduce_scatters"] == r["groups"] and r["reduce_gathers"] == r["groups"], (policy, r)

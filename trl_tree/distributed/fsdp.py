@@ -26,7 +26,7 @@ which is what "gather once per step" means.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -137,6 +137,61 @@ def gathered(model: torch.nn.Module):
             yield True
     finally:
         _GATHERED.discard(id(model))
+
+
+#: ids of the models inside :func:`block_held` now (a nested hold of the same model changes nothing)
+_BLOCK_HELD: set[int] = set()
+
+
+@contextmanager
+def block_held(model: torch.nn.Module, lockstep=None):
+    """``model``'s blocks gathered one at a time inside each call, by FSDP2's own per-block hooks
+    (resharded after each block's forward and after its backward), gradients accumulated unreduced
+    as under Accelerate's ``no_sync``; the outermost module's own parameters (embeddings, final norm,
+    LM head: the engine reads the head's weight past the model's forward) held whole for the block.
+    ``lockstep`` (:class:`~trl_tree.distributed.lockstep.CallLockstep`): the ranks' calls lined up,
+    for several ranks. Yields whether there was any FSDP2 module; re-entrant, and a no-op inside
+    :func:`gathered` of the same model (whole already). Settings restored after."""
+    modules = fsdp_modules(model)
+    if not modules or id(model) in _GATHERED or id(model) in _BLOCK_HELD:
+        yield bool(modules)
+        return
+    root, blocks = modules[0], modules[1:]
+    init_root(root)
+    saved = [_settings(m) for m in modules]
+    root_was_unsharded = _unsharded(root)
+    _apply(root, False, False, False)
+    for m in blocks:
+        _apply(m, True, True, False)
+    root.unshard()
+    _BLOCK_HELD.add(id(model))
+    try:
+        with (lockstep.holding(model) if lockstep is not None else nullcontext()):
+            yield True
+    finally:
+        _BLOCK_HELD.discard(id(model))
+        for m, settings in zip(modules, saved):
+            _apply(m, *settings)
+        if not root_was_unsharded:
+            root.reshard()
+
+
+def whole_bytes(model: torch.nn.Module) -> int:
+    """The bytes ``model``'s parameters take gathered whole, in the dtype its FSDP2 units compute in
+    (a mixed-precision policy's ``param_dtype``), which :func:`gathered` holds for a block."""
+    total = 0
+    seen: set[int] = set()
+    for m in fsdp_modules(model):
+        for group in _groups(m):
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                if id(fsdp_param) in seen:
+                    continue
+                seen.add(id(fsdp_param))
+                shape = getattr(fsdp_param, "_orig_size", None)
+                numel = int(torch.Size(shape).numel()) if shape is not None else 0
+                dtype = getattr(fsdp_param, "param_dtype", None) or fsdp_param.sharded_param.dtype
+                total += numel * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def init_root(root: torch.nn.Module) -> None:

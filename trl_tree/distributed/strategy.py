@@ -27,12 +27,16 @@ micro-step whether its body returned or raised.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from . import deepspeed as zero
-from . import fsdp
+from . import fsdp, gathering
+from .lockstep import CallLockstep, needs_lockstep
+
+logger = logging.getLogger(__name__)
 
 
 class Strategy:
@@ -54,8 +58,12 @@ class Strategy:
     #: TRL's asynchronous GRPO trainer runs under it (TRL 1.16: not under FSDP1 or DeepSpeed)
     runs_trl_async = True
 
-    def __init__(self, accelerator) -> None:
+    def __init__(self, accelerator, gather: str = "auto") -> None:
         self.accelerator = accelerator
+        #: ``tree_gather``: how a sharded model is gathered for the calls (``gathering.py``)
+        self.gather = gather
+        #: per model id, its :class:`~trl_tree.distributed.gathering.Gathering` once chosen
+        self.gatherings: dict[int, gathering.Gathering] = {}
 
     # ------------------------------------------------------------------ construction
     def refusal(self, args) -> str | None:
@@ -150,8 +158,8 @@ class Strategy:
 class Replicated(Strategy):
     """One process, or DDP: every rank holds the whole model; nothing to hold or gather."""
 
-    def __init__(self, accelerator) -> None:
-        super().__init__(accelerator)
+    def __init__(self, accelerator, gather: str = "auto") -> None:
+        super().__init__(accelerator, gather)
         if accelerator.num_processes > 1:
             self.name = "DDP"
 
@@ -204,15 +212,50 @@ class FSDP2(Strategy):
     critic_second_pass = True
     collective_save = True
 
-    def __init__(self, accelerator) -> None:
-        super().__init__(accelerator)
+    def __init__(self, accelerator, gather: str = "auto") -> None:
+        super().__init__(accelerator, gather)
         self._pending: dict[int, torch.nn.Module] = {}
+        self._lockstep: CallLockstep | None = None
 
     def refusal(self, args) -> str | None:
-        return fsdp.missing_support()
+        missing = fsdp.missing_support()
+        if missing is None and getattr(args, "tree_gather", "auto") != "whole" and args.tree_mode == "dfs" \
+                and args.tree_keep_graph:
+            return ("tree_keep_graph=True keeps a walk's pushed node's graph across its subtree's calls, which "
+                    "gathering block by block cannot (each call's backward must follow it); leave tree_keep_graph "
+                    "at None, or set tree_gather='whole'")
+        return missing
 
     def hold(self, model):
-        return fsdp.gathered(model)
+        if not self.gathering_of(model).block:
+            return fsdp.gathered(model)
+        return fsdp.block_held(model, self.lockstep())
+
+    def gathering_of(self, model) -> gathering.Gathering:
+        """Whole or block by block for ``model``, chosen at its first hold (``gathering.choose``) and kept."""
+        chosen = self.gatherings.get(id(model))
+        if chosen is None:
+            chosen = gathering.choose(self.gather, fsdp.whole_bytes(model), self._to_allocate(model),
+                                      self.accelerator.device)
+            self.gatherings[id(model)] = chosen
+            logger.info("%s: %s", type(model).__name__, chosen.reason)
+        return chosen
+
+    def lockstep(self) -> CallLockstep | None:
+        """The agreement that lines the ranks' calls up (None on one process)."""
+        if self._lockstep is None and needs_lockstep():
+            self._lockstep = CallLockstep(self.accelerator.device)
+        return self._lockstep
+
+    def _to_allocate(self, model) -> int:
+        """What the step will still allocate beside the whole model, in bytes: the trainable
+        parameters' accumulated gradients whole (fp32), and an Adam-like optimizer's two fp32 moments
+        per local shard where no optimizer has state yet (the first step)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = 4 * sum(p.numel() for p in params if p.grad is None)
+        stateless = all(not getattr(o, "state", None) for o in getattr(self.accelerator, "_optimizers", []))
+        local = sum((p.to_local() if fsdp.is_sharded(p) else p).numel() for p in params)
+        return grads + (8 * local if stateless else 0)
 
     def scoring(self, model, graph: bool):
         # a graph's backward runs through FSDP2's own hooks after the calls: only the root's parameters
@@ -308,8 +351,8 @@ class DeepSpeedZeRO(Strategy):
     averages_by_hand = False
     runs_trl_async = False
 
-    def __init__(self, accelerator, stage: int, engines: Callable[[], Iterable] = tuple) -> None:
-        super().__init__(accelerator)
+    def __init__(self, accelerator, stage: int, engines: Callable[[], Iterable] = tuple, gather: str = "auto") -> None:
+        super().__init__(accelerator, gather)
         self.stage = stage
         self.name = f"DeepSpeed ZeRO-{stage}"
         self.collective_save = stage == 3
@@ -415,11 +458,12 @@ class DeepSpeedZeRO(Strategy):
                 self._reduction.abandon()
 
 
-def strategy_for(accelerator, engines: Callable[[], Iterable] = tuple) -> Strategy:
-    """The :class:`Strategy` of an Accelerate run (``engines``: see :class:`DeepSpeedZeRO`)."""
+def strategy_for(accelerator, engines: Callable[[], Iterable] = tuple, gather: str = "auto") -> Strategy:
+    """The :class:`Strategy` of an Accelerate run (``engines``: see :class:`DeepSpeedZeRO`; ``gather``:
+    ``tree_gather``, how a sharded model is gathered for the calls)."""
     kind = accelerator.distributed_type.value
     if kind == "DEEPSPEED":
-        return DeepSpeedZeRO(accelerator, zero.deepspeed_stage(accelerator), engines)
+        return DeepSpeedZeRO(accelerator, zero.deepspeed_stage(accelerator), engines, gather)
     if kind == "FSDP":
-        return FSDP2(accelerator) if getattr(accelerator, "is_fsdp2", False) else FSDP1(accelerator)
-    return Replicated(accelerator)
+        return FSDP2(accelerator, gather) if getattr(accelerator, "is_fsdp2", False) else FSDP1(accelerator, gather)
+    return Replicated(accelerator, gather)

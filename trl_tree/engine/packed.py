@@ -24,6 +24,7 @@ from .attention.kept import KeptAttention
 from .attention.metadata import TREE_KWARG, DenseCausalBatch, TreeAttentionMetadata, TreeCall
 from .attention.partial import PARTIAL_KERNELS, dense_kernels
 from .attention.support import attention_features
+from .call_gate import before_model_call
 from .cost_model import runs_padded
 from .forest import PrefixForest
 from .layout import LAYOUT
@@ -51,6 +52,7 @@ def model_call(parts: ModelParts):
     length-dependent RoPE the length it must use (``rope_length_hint``) and, with ``parts.router``
     set, record the router logits and hand them over with ``parts.router_weights`` (the call's
     unique tokens' multiplicities) after the call."""
+    before_model_call(parts.outer)  # a gate (block-by-block gathering) lines the ranks' calls up first
     sink = [] if parts.router is not None else None
     with capture_last_hidden_state(parts.backbone) as captured, rope_length_hint(parts), \
             record_router_logits(parts.backbone, sink):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
+from ..distributed.gathering import GATHERINGS
 from ..engine.options import TreeOptions
 
 TREE_MODES = ("packed", "dfs", "off")
@@ -128,6 +129,18 @@ class TreeArguments:
                   "does, instead of after the whole backward (distributed/grad_sync.py). The same update either way; "
                   "False is for comparing the two."},
     )
+    tree_gather: str = field(
+        default="auto",
+        metadata={"help": f"Under FSDP2 (and DeepSpeed ZeRO-3), how the sharded model is gathered for the tree's calls, "
+                  f"one of {GATHERINGS}. 'whole': once per step and kept whole through the step's calls (no "
+                  "collective inside them; the fastest where the whole model's weights fit beside the training "
+                  "state). 'block': one block at a time inside each call by the engine's own per-block hooks, as "
+                  "stock FSDP2/ZeRO-3 do (the ranks' calls are lined up, a rank with fewer calls making one-token "
+                  "stand-in calls): the memory of stock's, every call paying its gathers. 'auto': 'whole' where the "
+                  "whole model with the state the step still allocates takes at most 60% of the free accelerator "
+                  "memory, else 'block' (logged once per model; trl_tree/distributed/gathering.py). The same update "
+                  "either way. Ignored without a sharded engine."},
+    )
     tree_one_pass: bool = field(
         default=True,
         metadata={"help": "GRPO, PPO and RLOO: where the policy loss is a sum of per-token terms (GRPO's with "
@@ -194,6 +207,8 @@ class TreeArguments:
             raise ValueError(f"tree_shuffle must be one of {TREE_SHUFFLES}, got {self.tree_shuffle!r}")
         if self.tree_window not in TREE_WINDOWS:
             raise ValueError(f"tree_window must be one of {TREE_WINDOWS}, got {self.tree_window!r}")
+        if self.tree_gather not in GATHERINGS:
+            raise ValueError(f"tree_gather must be one of {GATHERINGS}, got {self.tree_gather!r}")
         if self.tree_attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"tree_attn_backend must be one of {ATTN_BACKENDS}, got {self.tree_attn_backend!r}")
         for name in ("tree_token_budget", "tree_chunk_size"):

@@ -141,7 +141,8 @@ class TreeCallsMixin:
                 return (getattr(self, "model_wrapped", None), getattr(self, "deepspeed", None),
                         getattr(self, "ref_model", None))
 
-            strategy = self.__dict__["_tree_strategy"] = strategy_for(self.accelerator, engines)
+            strategy = self.__dict__["_tree_strategy"] = strategy_for(self.accelerator, engines,
+                                                                          getattr(self.args, "tree_gather", "auto"))
         return strategy
 
     def _defers_deepspeed_step(self) -> bool:

@@ -1,0 +1,44 @@
+"""A hook before every model call the engine makes, for callers that must see each call first.
+
+Why: where a sharded model is gathered block by block inside the calls (FSDP2's and ZeRO-3's own
+per-block hooks, ``distributed/lockstep.py``), every call of the model is a sequence of collectives,
+and the ranks' calls must line up — but a rank's number of calls depends on its own trees (a walk's
+units, calls under a token budget, a window's share). The engine does not know about ranks; it
+only announces each call (which module it enters, and whether it builds a graph whose backward
+follows before the next call) to whatever gate the caller installed for the block.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Protocol
+
+import torch
+
+
+class CallGate(Protocol):
+    def before_call(self, module: torch.nn.Module, grad: bool) -> None:
+        """``module`` is about to be called; ``grad``: the call builds a graph (its backward follows)."""
+
+
+_GATES: ContextVar[tuple[CallGate, ...]] = ContextVar("trl_tree_call_gates", default=())
+
+
+def before_model_call(module: torch.nn.Module) -> None:
+    """Every installed gate sees the call first (the engine calls this as each model call begins)."""
+    gates = _GATES.get()
+    if gates:
+        grad = torch.is_grad_enabled()
+        for gate in gates:
+            gate.before_call(module, grad)
+
+
+@contextmanager
+def gated(gate: CallGate) -> Iterator[None]:
+    """``gate`` sees every model call the engine makes inside the block."""
+    token = _GATES.set(_GATES.get() + (gate,))
+    try:
+        yield
+    finally:
+        _GATES.reset(token)
