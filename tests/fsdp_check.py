@@ -83,7 +83,7 @@ def _block_runs(policy, model, data, rank, expected, counts) -> dict:
     from trl_tree.distributed import fsdp
     from trl_tree.distributed.lockstep import CallLockstep
 
-    blocks = [m for m in fsdp.fsdp_modules(model)[1:]]
+    blocks = [m for m in fsdp.fsdp_modules(model) if id(m) in fsdp.layer_units(model)]
 
     def block_bytes(m) -> int:
         return sum(p.numel() * p.element_size() for g in fsdp._groups(m) for p in g.fsdp_params

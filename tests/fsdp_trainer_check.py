@@ -27,6 +27,11 @@ RUNS = (
     ("grpo", "dfs", "micro_step", {}, ""),
     ("grpo", "packed", "accumulation", {}, ""),
     ("grpo", "dfs", "accumulation", {}, ""),
+    # gathered block by block inside the calls (tree_gather='block'), the ranks' calls lined up
+    ("grpo", "packed", "micro_step", {"tree_token_budget": 30, "tree_gather": "block"}, "budget-block"),
+    ("grpo", "dfs", "micro_step", {"tree_gather": "block"}, "block"),
+    ("grpo", "packed", "accumulation", {"tree_gather": "block"}, "block"),
+    ("grpo", "dfs", "accumulation", {"tree_gather": "block"}, "block"),
 )
 #: under Accelerate's ``mixed_precision: bf16``: stock (the bf16 rule's baseline) and the tree's paths
 BF16_RUNS = (
@@ -34,6 +39,7 @@ BF16_RUNS = (
     ("grpo", "packed", "micro_step", {}, ""),
     ("grpo", "dfs", "accumulation", {}, ""),
     ("grpo", "packed", "accumulation", {"tree_token_budget": 64}, "budget"),
+    ("grpo", "dfs", "micro_step", {"tree_gather": "block"}, "block"),
 )
 
 #: TreePPOTrainer under FSDP2, each critic kind: (critic, tree_mode, tree_window, extra config, tag); a
@@ -48,6 +54,9 @@ PPO_RUNS = (
     ("shared", "dfs", "micro_step", {"kl_coef": 0.0}, ""),
     ("adapter", "packed", "micro_step", {"lora": True}, ""),
     ("adapter", "dfs", "accumulation", {"lora": True}, ""),
+    ("separate", "dfs", "accumulation", {"tree_gather": "block"}, "block"),
+    ("shared", "packed", "micro_step", {"kl_coef": 0.0, "tree_gather": "block"}, "block"),
+    ("adapter", "packed", "accumulation", {"lora": True, "tree_gather": "block"}, "block"),
 )
 #: under Accelerate's ``mixed_precision: bf16``, one optimizer step: the untreed step (the bf16 rule's
 #: baseline) and the tree's, both against one process's fp32 step (fp32 weights: the value head draws the

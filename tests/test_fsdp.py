@@ -133,8 +133,11 @@ def test_trainer_under_accelerate_fsdp2_trains_the_one_process_update(tmp_path):
             run = load("-".join(x for x in (algo, mode, window, precision, tag) if x))
             bound = 1e-5 if precision == "fsdp" else 1.5 * stock
             assert error(run["params"]) <= bound, f"{precision} {mode}/{window}/{tag}: {error(run['params']):.2e}"
-            if tag == "budget":
+            if tag.startswith("budget"):
                 assert max(run["metrics"]["tree/calls"]) > 1, "the token budget cut nothing"
+            if mode != "off":  # tree_gather: 'auto' holds the model whole on a CPU; 'block' gathers block by block
+                assert run["metrics"]["tree/gather_block"] == [float(tag.endswith("block"))] * len(
+                    run["metrics"]["tree/gather_block"]), f"{precision} {mode}/{window}/{tag}: gathered otherwise"
     # DPO and async GRPO under the same FSDP2 (float64): packed and dfs give stock's FSDP2 update
     for algo, checkpoint_dir in (("dpo", "dpo_tiny"), ("async", "async_tiny")):
         start = load_file(os.path.join(tmp_path, checkpoint_dir, "model.safetensors"))

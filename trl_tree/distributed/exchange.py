@@ -3,6 +3,7 @@ once per window, then per-token tensors (log-probs out, loss gradients back) —
 
 A thin layer over ``torch.distributed`` (the process group Accelerate set up: gloo on CPU, NCCL on
 GPU) that is the identity for one process, so the window code has one path for 1 and N ranks.
+Each collective is a sync point of the calls lined up block by block (``engine/call_gate.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..engine.call_gate import sync_point
 
 
 class RankExchange:
@@ -36,6 +39,7 @@ class RankExchange:
         gradient a pass received; the window's token ids go through :meth:`all_gather_ints`)."""
         if self.world == 1:
             return [obj]
+        sync_point()
         out: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
@@ -48,6 +52,7 @@ class RankExchange:
         values = np.ascontiguousarray(values, dtype=np.int64)
         if self.world == 1:
             return [values]
+        sync_point()
         device = self._device()
         size = torch.tensor([values.size], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]
@@ -76,6 +81,7 @@ class RankExchange:
             if send[0].numel() != recv_sizes[0]:
                 raise ValueError(f"sending {send[0].numel()} elements to self, expected {recv_sizes[0]}")
             return [send[0]]
+        sync_point()
         flat = torch.cat([t.reshape(-1) for t in send])
         out = flat.new_empty(sum(recv_sizes))
         torch.distributed.all_to_all_single(out, flat, output_split_sizes=list(recv_sizes),

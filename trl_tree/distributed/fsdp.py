@@ -156,14 +156,18 @@ def block_held(model: torch.nn.Module, lockstep=None):
     if not modules or id(model) in _GATHERED or id(model) in _BLOCK_HELD:
         yield bool(modules)
         return
-    root, blocks = modules[0], modules[1:]
-    init_root(root)
+    init_root(modules[0])
+    blocks = layer_units(model)
+    kept = [m for m in modules if id(m) not in blocks]
     saved = [_settings(m) for m in modules]
-    root_was_unsharded = _unsharded(root)
-    _apply(root, False, False, False)
-    for m in blocks:
-        _apply(m, True, True, False)
-    root.unshard()
+    were_unsharded = [_unsharded(m) for m in kept]
+    for m in modules:
+        if id(m) in blocks:
+            _apply(m, True, True, False)
+        else:
+            _apply(m, False, False, False)
+    for m in kept:
+        m.unshard()
     _BLOCK_HELD.add(id(model))
     try:
         with (lockstep.holding(model) if lockstep is not None else nullcontext()):
@@ -172,8 +176,19 @@ def block_held(model: torch.nn.Module, lockstep=None):
         _BLOCK_HELD.discard(id(model))
         for m, settings in zip(modules, saved):
             _apply(m, *settings)
-        if not root_was_unsharded:
-            root.reshard()
+        for m, keep in zip(kept, were_unsharded):
+            if not keep:
+                m.reshard()
+
+
+def layer_units(model: torch.nn.Module) -> set[int]:
+    """Ids of the FSDP2 units that are a model's repeated blocks (the items of a ``ModuleList``: its
+    decoder layers), the units :func:`block_held` gathers one at a time. The others — the root, and
+    a unit Accelerate wraps around the final norm and the LM head — are held whole: the engine reads
+    the head's weight past the model's forward, and they are a small part of the model."""
+    fsdp_ids = {id(m) for m in fsdp_modules(model)}
+    return {id(child) for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+            for child in m if id(child) in fsdp_ids}
 
 
 def whole_bytes(model: torch.nn.Module) -> int:

@@ -13,7 +13,8 @@ model and a kind — a forward, or a forward whose backward follows before the n
 is the lowest any rank asks for; a rank that asked for another makes a stand-in call of the slot's
 kind (one token, zero loss: the same blocks gathered in the same order, zero added to gradients)
 and asks again; at the end of the held block (:meth:`CallLockstep.drain`) a rank that is done
-makes stand-in calls until every rank is. Every slot moves every rank that asked for it, so the
+makes stand-in calls until every rank is — as it does before any other collective the ranks make
+inside the block (a window's exchanges: ``call_gate.sync_point``). Every slot moves every rank that asked for it, so the
 agreement ends; a rank makes at most as many stand-in calls as the other ranks make real ones.
 """
 
@@ -73,8 +74,12 @@ class CallLockstep:
                 return
             self._stand_in(slot)
 
+    def sync_point(self) -> None:
+        self.drain()
+
     def drain(self) -> None:
-        """Stand-in calls until every rank has made its last call of the block."""
+        """Stand-in calls until every rank has made its last call of the block (or up to a collective
+        every rank makes at the same point: ``call_gate.sync_point``)."""
         while True:
             slot = self._agree(_DONE)
             if slot == _DONE:

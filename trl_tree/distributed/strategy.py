@@ -219,7 +219,7 @@ class FSDP2(Strategy):
 
     def refusal(self, args) -> str | None:
         missing = fsdp.missing_support()
-        if missing is None and getattr(args, "tree_gather", "auto") != "whole" and args.tree_mode == "dfs" \
+        if missing is None and getattr(args, "tree_gather", "auto") == "block" and args.tree_mode == "dfs" \
                 and args.tree_keep_graph:
             return ("tree_keep_graph=True keeps a walk's pushed node's graph across its subtree's calls, which "
                     "gathering block by block cannot (each call's backward must follow it); leave tree_keep_graph "

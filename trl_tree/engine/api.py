@@ -25,6 +25,7 @@ from .attention import backends
 from .attention.buckets import BucketedLayout
 from .attention.support import attention_features
 from .backward_hooks import last_backward_starts
+from .call_gate import calls_close
 from .cost_model import GroupBudget, choose_mode, default_memory_budget, walk_unit_floor
 from .dfs.buckets import PADDED_BUDGET_SCALE
 from .dfs.graphs import walk_graphs
@@ -528,8 +529,12 @@ def _backward(model, seqs, token_loss, mode: str, opts: TreeOptions, temperature
             raise ValueError("keep_graph=True keeps a pushed node's graph across its subtree, which replayed units "
                              "cannot (they share one memory pool, one unit's activations at a time); use "
                              "keep_graph=None or False with cuda_graphs")
-        if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py)
-            keep_graph = checkpointing_on(parts) and not opts.cuda_graphs
+        if keep_graph and calls_close():
+            raise ValueError("keep_graph=True keeps a pushed node's graph until its pop, across other calls of the "
+                             "model; gathered block by block (tree_gather='block') every call's backward must follow "
+                             "it: pass keep_graph=None or False, or gather the model whole")
+        if keep_graph is None:  # replayed pushes are recomputed at their pop (dfs/graphs.py); a gate needs closed calls
+            keep_graph = checkpointing_on(parts) and not opts.cuda_graphs and not calls_close()
         walk = _dfs_walk(parts, forest, plan, opts, temperature, keep_graph)
         linearised = None
         if groups is not None and not keeps_groups(walk.plan, plan, groups):

@@ -21,6 +21,9 @@ class CallGate(Protocol):
     def before_call(self, module: torch.nn.Module, grad: bool) -> None:
         """``module`` is about to be called; ``grad``: the call builds a graph (its backward follows)."""
 
+    def sync_point(self) -> None:
+        """Every rank is about to make another collective, at the same point of its program."""
+
 
 _GATES: ContextVar[tuple[CallGate, ...]] = ContextVar("trl_tree_call_gates", default=())
 
@@ -32,6 +35,20 @@ def before_model_call(module: torch.nn.Module) -> None:
         grad = torch.is_grad_enabled()
         for gate in gates:
             gate.before_call(module, grad)
+
+
+def sync_point() -> None:
+    """Before a collective the caller makes between the calls (a window's exchanges), which every rank
+    makes at the same point: each gate brings the ranks' calls to that point first, else a rank done
+    with its calls would wait in the collective for a rank still waiting for it in the next call's."""
+    for gate in _GATES.get():
+        gate.sync_point()
+
+
+def calls_close() -> bool:
+    """Whether each call's backward must follow it before the next call (a gate is installed): a walk
+    then recomputes its pushed nodes at their pop instead of keeping their graphs (``keep_graph``)."""
+    return bool(_GATES.get())
 
 
 @contextmanager

@@ -544,7 +544,8 @@ class TreeCallsMixin:
         """The step's sharing (``tree/dedup_ratio`` = T/U), its calls, and how many of them ran as
         stock's padded batch (``tree/padded_calls``: the cost model's no-sharing rule under the layout
         switch, packed mode — ``packed.takes_padded_path``, as the engine decides; ``router``: the calls
-        collected an MoE load-balancing loss, which keeps them packed)."""
+        collected an MoE load-balancing loss, which keeps them packed); under a sharded engine, whether a
+        model is gathered block by block (``tree/gather_block``)."""
         mode = "train" if self.model.training else "eval"
         padded = sum(takes_padded_path(f, router) for f in forests) if self.args.tree_mode == "packed" else 0
         self._metrics[mode]["tree/padded_calls"].append(float(padded))
@@ -554,3 +555,6 @@ class TreeCallsMixin:
         self._metrics[mode]["tree/unique_tokens"].append(float(unique))
         self._metrics[mode]["tree/dedup_ratio"].append(total / max(unique, 1))
         self._metrics[mode]["tree/calls"].append(float(len(forests)))
+        gatherings = self._strategy.gatherings  # a sharded model's, once chosen (``distributed/gathering.py``)
+        if gatherings:
+            self._metrics[mode]["tree/gather_block"].append(float(any(g.block for g in gatherings.values())))
