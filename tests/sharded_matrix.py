@@ -5,7 +5,7 @@ One command runs the whole matrix and writes its result::
 
     python tests/sharded_matrix.py --processes 2 4 --out docs/benchmarks/sharded_matrix_cpu.json
 
-(``--engines ddp fsdp2 zero2 zero3``, ``--subset ci``: the part CI runs, ``tests/test_sharded_matrix.py``).
+(``--engines ddp fsdp2 fsdp2_block zero2 zero3``; ``fsdp2_block``: FSDP2 with ``tree_gather='block'``, ``--subset ci``: the part CI runs, ``tests/test_sharded_matrix.py``).
 A launch runs many combinations in one pair of interpreters (start-up and imports dominate on a CPU);
 a combination that fails or hangs ends its launch, is recorded with its ranks' output, and the launch
 goes on from the next one.
@@ -36,12 +36,16 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
+ENGINES = ("ddp", "fsdp2", "fsdp2_block", "zero2", "zero3")
+#: the engines whose sharded model is gathered block by block inside the calls (``tree_gather='block'``)
+BLOCK_ENGINES = ("fsdp2_block",)
 #: online trainers (with their accumulation windows) and offline ones (no windows)
 ONLINE = ("grpo", "grpo_iter_kl", "rloo", "ppo_separate", "ppo_shared", "ppo_adapter")
 OFFLINE = ("sft", "dpo")
 MODES = ("packed", "dfs")
 WINDOWS = ("micro_step", "accumulation", "budget")
+#: the worker's ``tree_gather`` (set from its engine)
+GATHER = "auto"
 #: seconds one combination may take before the watchdog dumps every rank's stack and ends the launch
 WATCHDOG_S = int(os.environ.get("TRL_TREE_MATRIX_WATCHDOG", "240"))
 
@@ -67,7 +71,7 @@ def accelerate_config(engine: str, directory: str, processes: int) -> str:
     on a CPU (DDP's two-process one, FSDP2's), a ZeRO config that partitions every parameter."""
     if engine == "ddp":
         return os.path.join(ROOT, "examples/accelerate/cpu_2proc.yaml")
-    if engine == "fsdp2":
+    if engine.startswith("fsdp2"):
         return os.path.join(ROOT, "examples/accelerate/fsdp2.yaml")
     stage = int(engine[-1])
     zero = {"stage": stage}
@@ -206,7 +210,7 @@ def _online(trainer_kind: str, mode: str, window: str, checkpoint: str, out: str
                   per_device_train_batch_size=2, num_generations=4, max_completion_length=12, learning_rate=0.05,
                   optim="sgd", max_steps=2, gradient_accumulation_steps=2 if processes >= 4 else 4,
                   use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
-                  logging_steps=1)
+                  logging_steps=1, tree_gather=GATHER)
     if window == "budget":
         common["tree_token_budget"] = 24
     adapter = {}
@@ -238,7 +242,7 @@ def _offline(trainer_kind: str, mode: str, window: str, sft_checkpoint: str, out
 
     common = dict(output_dir=out, tree_mode=mode, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                   learning_rate=0.5, optim="sgd", max_steps=2, use_cpu=True, bf16=False, report_to="none",
-                  save_strategy="no", seed=0, disable_tqdm=True, gradient_checkpointing=False)
+                  save_strategy="no", seed=0, disable_tqdm=True, gradient_checkpointing=False, tree_gather=GATHER)
     if window == "budget":
         common["tree_token_budget"] = 24
     model = AutoModelForCausalLM.from_pretrained(sft_checkpoint)
@@ -258,7 +262,8 @@ def _async(mode: str, out: str, policy: str):
 
     args = TreeAsyncGRPOConfig(output_dir=out, tree_mode=mode, max_steps=2, num_generations=4,
                                max_completion_length=16, learning_rate=0.01, token_budget=512, max_staleness=2,
-                               use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1)
+                               use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+                               tree_gather=GATHER)
 
     def letter_a(completions, **kwargs):
         return [(c[-1]["content"] if c else "").count("a") / 8 for c in completions]
@@ -291,7 +296,9 @@ def worker(out: str, engine: str, combos: list[str]) -> None:
     from sft_harness import save_sft_checkpoint
     from trainer_harness import save_tiny_checkpoint
 
-    if engine == "fsdp2":
+    global GATHER
+    GATHER = "block" if engine in BLOCK_ENGINES else "auto"
+    if engine.startswith("fsdp2"):
         from fsdp_trainer_check import emulate_fsdp2_on_cpu
 
         emulate_fsdp2_on_cpu()

@@ -1,4 +1,5 @@
-"""CI's share of the sharded-engine matrix (``tests/sharded_matrix.py``): under DDP, FSDP2, ZeRO-2 and
+"""CI's share of the sharded-engine matrix (``tests/sharded_matrix.py``): under DDP, FSDP2 (gathered whole
+and block by block), ZeRO-2 and
 ZeRO-3 on two CPU processes, each trainer family in each tree mode, the window kinds spread over the
 engines, on rollouts that give the ranks different numbers of trees, calls and walk units. A hang is a
 failure in bounded time (the watchdog dumps every rank's stack). The whole matrix, 2 and 4 processes,

@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         # a mode named twice runs twice (its later results under "MODE#2", ...)
         mode = run if run not in results else f"{run}#{sum(1 for k in results if k.partition('#')[0] == run) + 1}"
         torch.manual_seed(0)
+        if cuda:
+            release_memory()
+            leftover = torch.cuda.memory_allocated()  # what earlier modes left (before this mode's model): not its own
         with device, built_whole():  # initialised on the GPU: a 7B random init on the CPU takes minutes
             # a copy: the trainer aligns the model's config with the tokenizer (pad_token_id = 0), and a
             # later mode built from the same object would initialise the pad row of the embedding as zeros
@@ -432,8 +435,6 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.add_callback(LastStepProfile(os.path.join(
                     args.profile, f"{mode.replace('+', '_')}_rank{int(os.environ.get('RANK', '0'))}.txt")))
             if cuda:
-                release_memory()
-                leftover = torch.cuda.memory_allocated()  # what earlier modes left: not this mode's
                 torch.cuda.reset_peak_memory_stats()
             trainer.train()
         distributed = {"distributed_type": _distributed_type(trainer.accelerator),

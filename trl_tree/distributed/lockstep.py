@@ -38,6 +38,9 @@ class CallLockstep:
         self.device = device
         self.group = group
         self._models: list[tuple[torch.nn.Module, frozenset[int]]] = []
+        #: per held model's index, the module its last real call entered (a critic's calls enter its backbone,
+        #: past the root): a stand-in enters there too, to meet the same hooks
+        self._entries: dict[int, torch.nn.Module] = {}
         #: slots agreed and stand-in calls made (``tree/gather_slots``, ``tree/gather_standins``)
         self.slots = 0
         self.standins = 0
@@ -61,12 +64,14 @@ class CallLockstep:
                     self.drain()
             finally:
                 self._models.pop()
+                self._entries.pop(len(self._models), None)
 
     # ------------------------------------------------------------------ the agreement
     def before_call(self, module: torch.nn.Module, grad: bool) -> None:
         index = self._index_of(module)
         if index is None:
             return
+        self._entries[index] = module
         code = 2 * index + int(grad)
         while True:
             slot = self._agree(code)
@@ -101,7 +106,7 @@ class CallLockstep:
     def _stand_in(self, slot: int) -> None:
         """A one-token call of the slot's model: its forward gathers each block in the order a real
         call does; with a graph, a zero loss's backward gathers them again (and adds zeros)."""
-        model = self._models[slot // 2][0]
+        model = self._entries.get(slot // 2, self._models[slot // 2][0])
         self.standins += 1
         ids = torch.ones(1, 1, dtype=torch.long, device=self.device)
         with torch.enable_grad() if slot % 2 else torch.no_grad():

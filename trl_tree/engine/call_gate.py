@@ -53,8 +53,13 @@ def calls_close() -> bool:
 
 @contextmanager
 def gated(gate: CallGate) -> Iterator[None]:
-    """``gate`` sees every model call the engine makes inside the block."""
-    token = _GATES.set(_GATES.get() + (gate,))
+    """``gate`` sees every model call the engine makes inside the block (once: a gate already installed
+    by an enclosing block is not installed again)."""
+    gates = _GATES.get()
+    if any(g is gate for g in gates):
+        yield
+        return
+    token = _GATES.set(gates + (gate,))
     try:
         yield
     finally:
