@@ -209,3 +209,52 @@ def test_ppo_refuses_a_trainer_without_the_hooks_its_critic_needs(monkeypatch):
     monkeypatch.delattr(transformers.Trainer, "_clip_grad_norm")
     with pytest.raises(ValueError, match="_clip_grad_norm"):
         ppo._check_trainer_hooks()
+
+
+def test_the_gathering_is_chosen_forced_or_refused():
+    """``tree_gather``: forced either way; 'auto' holds the model whole where no free-memory reading
+    exists (a CPU); a wrong value, and 'block' under ZeRO-3 (block by block is FSDP2's) or with a walk
+    that keeps its pushes' graphs, refused naming why."""
+    from trl_tree.distributed import gathering
+
+    cpu = torch.device("cpu")
+    assert gathering.choose("block", 10, 0, cpu).block
+    assert not gathering.choose("whole", 10, 0, cpu).block
+    auto = gathering.choose("auto", 1 << 30, 0, cpu)
+    assert not auto.block and "1.00 GiB" in auto.reason and "tree_gather='block'" in auto.reason
+    with pytest.raises(ValueError, match="tree_gather must be one of"):
+        gathering.choose("layers", 10, 0, cpu)
+    args = SimpleNamespace(tree_gather="block", tree_mode="dfs", tree_keep_graph=True)
+    pytest.importorskip("deepspeed")
+    zero3 = strategies.DeepSpeedZeRO(accelerator("DEEPSPEED", 2, stage=3), 3)
+    assert "FSDP2" in zero3.refusal(args)
+    assert strategies.DeepSpeedZeRO(accelerator("DEEPSPEED", 2, stage=2), 2).refusal(args) is None
+    fsdp2 = strategies.FSDP2(accelerator("FSDP", 2, fsdp2=True), "block")
+    assert fsdp2.refusal(SimpleNamespace(tree_gather="auto", tree_mode="dfs", tree_keep_graph=True)) is None
+    assert "tree_keep_graph" in fsdp2.refusal(args)
+
+
+def test_a_gate_sees_each_call_once_and_closes_the_walks_calls():
+    """The engine announces every model call to the installed gates, once per gate however many
+    nested blocks installed it; inside, a walk must not keep a push's graph across calls."""
+    from trl_tree.engine import call_gate
+
+    seen = []
+
+    class Gate:
+        def before_call(self, module, grad):
+            seen.append((module, grad))
+
+        def sync_point(self):
+            seen.append("sync")
+
+    gate, module = Gate(), torch.nn.Linear(1, 1)
+    assert not call_gate.calls_close()
+    with call_gate.gated(gate), call_gate.gated(gate):
+        assert call_gate.calls_close()
+        call_gate.before_model_call(module)
+        with torch.no_grad():
+            call_gate.before_model_call(module)
+        call_gate.sync_point()
+    call_gate.before_model_call(module)  # no gate any more
+    assert seen == [(module, True), (module, False), "sync"]

@@ -11,15 +11,17 @@ was left behind on an error. Here each engine is one class:
 * :class:`Replicated` — one process, or DDP: the tree's own backward runs past DDP's forward and its
   gradients are averaged by hand (``grad_sync``) where there are several processes;
 * :class:`FSDP1` — refuses what runs the engine's own backward (it can run packed calls only);
-* :class:`FSDP2` — the model gathered once for a sequence of tree calls, gradients accumulated
-  unreduced and reduced once per optimizer step (``fsdp.py``);
+* :class:`FSDP2` — the model gathered once for a sequence of tree calls, or block by block inside
+  each call with the ranks' calls lined up (``tree_gather``: ``gathering.py``, ``lockstep.py``),
+  gradients accumulated unreduced and reduced once per optimizer step (``fsdp.py``);
 * :class:`DeepSpeedZeRO` — the step's gradients kept local and reduced once, ZeRO-3's model held
   whole from a step's first tree call to its end (``deepspeed.py``).
 
 The contract every rank relies on: :meth:`Strategy.hold` is collective under the sharded engines,
 so the trainers enter it at the same points on every rank, around every sequence of tree calls
 whose count can differ between ranks (a window's passes, a walk, calls under a budget) — inside it a
-rank's calls make no collective. Every step-scoped state (reduction blocks, gathered parameters,
+rank's calls make no collective, or (gathered block by block) their collectives are lined up by
+one agreement per call, and every other collective inside it is a sync point (``call_gate``). Every step-scoped state (reduction blocks, gathered parameters,
 removed hooks, FSDP2's settings) is restored in ``finally``: :meth:`Strategy.micro_step` ends the
 micro-step whether its body returned or raised.
 """
@@ -202,7 +204,8 @@ class FSDP1(Strategy):
 
 class FSDP2(Strategy):
     """FSDP2 (``fully_shard``): a sequence of tree calls runs on the model gathered once
-    (``fsdp.gathered``), gradients accumulated unreduced; the models whose gradients wait are reduced
+    (``fsdp.gathered``) or block by block inside each call (``fsdp.block_held``; ``tree_gather``,
+    chosen per model by :meth:`gathering_of`), gradients accumulated unreduced; the models whose gradients wait are reduced
     once, at the optimizer step's last micro-step (``fsdp.reduce_gradients``) — the policy and a
     separate value model alike, on one process too."""
 
@@ -361,7 +364,13 @@ class DeepSpeedZeRO(Strategy):
         self._whole: dict[int, zero.WholeParameters] = {}
 
     def refusal(self, args) -> str | None:
-        return zero.missing_support(self.accelerator)
+        missing = zero.missing_support(self.accelerator)
+        if missing is None and self.stage == 3 and getattr(args, "tree_gather", "auto") == "block":
+            return ("tree_gather='block' gathers the model block by block inside the tree's calls under FSDP2; under "
+                    "DeepSpeed ZeRO-3 the tree holds the model whole through a step's calls (docs/multi_gpu.md, "
+                    "memory). Use FSDP2 (examples/accelerate/fsdp2.yaml) for block-by-block gathering, or "
+                    "tree_gather='auto' / 'whole'")
+        return missing
 
     def engine_of(self, model):
         """The DeepSpeed engine that holds ``model``, or None."""
@@ -381,6 +390,10 @@ class DeepSpeedZeRO(Strategy):
         if engine is None:
             yield
             return
+        if id(model) not in self.gatherings:  # said once: ZeRO-3 holds the engine's model whole for the calls
+            self.gatherings[id(model)] = gathering.Gathering(False, "DeepSpeed ZeRO-3: held whole through a step's "
+                                                                    "tree calls (block by block is FSDP2's)")
+            logger.info("%s: %s", type(model).__name__, self.gatherings[id(model)].reason)
         holder = self._whole.get(id(engine))
         if holder is None or holder.engine is not engine:
             holder = self._whole[id(engine)] = zero.WholeParameters(engine)
