@@ -86,7 +86,7 @@ def _padded_graphs(model) -> list:
 
 
 @pytest.mark.parametrize("seqs,chunk_size,checkpoint", [(free_groups(0), None, False),
-                                                         (deep_tree(5, VOCAB, seed=3), 12, True),
+                                                         (deep_tree(4, VOCAB, seed=3), 12, True),
                                                          (short_prompt_groups(0), 30, True)],
                          ids=["free-grpo", "deep-tree-chunked-checkpointed", "merged-pops-checkpointed"])
 def test_padded_units_match_the_untreed_model(backend, monkeypatch, seqs, chunk_size, checkpoint):

@@ -23,7 +23,7 @@ from trl_tree.data.tiny import grpo_group, tiny_model
 VOCAB = 96
 GROUP = grpo_group(12, 8, 4, VOCAB, seed=1)  # a prompt and 8 completions of 4 tokens
 SAME_SHAPES = grpo_group(12, 8, 4, VOCAB, seed=2)  # other tokens, the same units
-TREE = deep_tree(5, VOCAB, seed=3)
+TREE = deep_tree(4, VOCAB, seed=3)  # 4 levels: every path the deeper tree takes, half its units
 
 
 @pytest.fixture
