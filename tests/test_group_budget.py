@@ -118,7 +118,7 @@ def test_planned_units_fit_the_model():
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0, 10.0])
 def test_memory_budget_sizes_groups_and_stays_exact(qwen2, fraction):
     """Log-probs (forward-only walk) and gradients against the untreed model and packed mode."""
-    seqs = deep_tree(levels=6, seed=2)
+    seqs = deep_tree(levels=5, seed=2)
     forest = PrefixForest.from_sequences(seqs)
     reference = ActivationModel.of(qwen2.config, False, 4).single_sequence(forest.max_depth)
     check_dfs(qwen2, seqs, memory_budget=int(reference * fraction))
