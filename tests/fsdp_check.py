@@ -86,10 +86,9 @@ def _block_runs(policy, model, data, rank, expected, counts) -> dict:
     blocks = [m for m in fsdp.fsdp_modules(model) if id(m) in fsdp.layer_units(model)]
 
     def block_bytes(m) -> int:
-        return sum(p.numel() * p.element_size() for g in fsdp._groups(m) for p in g.fsdp_params
-                   for p in [p.unsharded_param] if g.is_unsharded)
+        return fsdp.whole_bytes(m) if fsdp._unsharded(m) else 0
 
-    one_block = max(sum(fp._orig_size.numel() for g in fsdp._groups(m) for fp in g.fsdp_params) for m in blocks)
+    one_block = max(fsdp.whole_bytes(m) for m in blocks)  # in the dtype the blocks compute in
     peak = [0]
     # FSDP2's all-gather (``all_gather_single`` in newer torch, ``all_gather_into_tensor`` before), output first
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor")
@@ -123,10 +122,9 @@ def _block_runs(policy, model, data, rank, expected, counts) -> dict:
                         tree_backward(model, PrefixForest.from_sequences(seqs[start:start + step]), token_loss,
                                       score_from=2, mode=mode, chunk_size=3 if mode == "dfs" else None)
             fsdp.reduce_gradients(model, torch.device("cpu"))
-            dtype_size = next(iter(blocks[0].parameters())).element_size() if policy == "none" else 2
             out[(policy, run)] = {"errors": _errors(model, expected), "gathers": counts["all_gather"],
                                   "standins": lockstep.standins, "slots": lockstep.slots, "peak_bytes": peak[0],
-                                  "block_bytes": one_block * dtype_size, "blocks": len(blocks), "groups": len(blocks) + 1,
+                                  "block_bytes": one_block, "blocks": len(blocks), "groups": len(blocks) + 1,
                                   "sharded": type(model.lm_head.weight).__name__}
     finally:
         for name, gather in originals.items():

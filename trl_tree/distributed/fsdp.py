@@ -205,7 +205,7 @@ def whole_bytes(model: torch.nn.Module) -> int:
                 shape = getattr(fsdp_param, "_orig_size", None)
                 numel = int(torch.Size(shape).numel()) if shape is not None else 0
                 dtype = getattr(fsdp_param, "param_dtype", None) or fsdp_param.sharded_param.dtype
-                total += numel * torch.empty((), dtype=dtype).element_size()
+                total += numel * dtype.itemsize
     return total
 
 

@@ -1,6 +1,6 @@
 """The ranks' model calls lined up, for models gathered block by block inside each call.
 
-Why: gathered block by block (FSDP2's per-block units, ZeRO-3's fetch hooks), a call of the model
+Why: gathered block by block (FSDP2's per-block units), a call of the model
 is a sequence of collectives — every block's all-gather in the forward, again in the backward —
 and collectives must be issued in the same order on every rank. But a rank's calls depend on its
 own trees: a walk's units (a push is a forward, a pop or group a forward and its backward), calls
@@ -14,8 +14,9 @@ is the lowest any rank asks for; a rank that asked for another makes a stand-in 
 kind (one token, zero loss: the same blocks gathered in the same order, zero added to gradients)
 and asks again; at the end of the held block (:meth:`CallLockstep.drain`) a rank that is done
 makes stand-in calls until every rank is — as it does before any other collective the ranks make
-inside the block (a window's exchanges: ``call_gate.sync_point``). Every slot moves every rank that asked for it, so the
-agreement ends; a rank makes at most as many stand-in calls as the other ranks make real ones.
+inside the block (a window's exchanges: ``call_gate.sync_point``). Every slot moves every rank that
+asked for it, so the agreement ends; a rank makes at most as many stand-in calls as the other ranks
+make real ones.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class CallLockstep:
         #: per held model's index, the module its last real call entered (a critic's calls enter its backbone,
         #: past the root): a stand-in enters there too, to meet the same hooks
         self._entries: dict[int, torch.nn.Module] = {}
-        #: slots agreed and stand-in calls made (``tree/gather_slots``, ``tree/gather_standins``)
+        #: slots agreed and stand-in calls made (read by the tests)
         self.slots = 0
         self.standins = 0
 

@@ -21,9 +21,10 @@ The contract every rank relies on: :meth:`Strategy.hold` is collective under the
 so the trainers enter it at the same points on every rank, around every sequence of tree calls
 whose count can differ between ranks (a window's passes, a walk, calls under a budget) — inside it a
 rank's calls make no collective, or (gathered block by block) their collectives are lined up by
-one agreement per call, and every other collective inside it is a sync point (``call_gate``). Every step-scoped state (reduction blocks, gathered parameters,
-removed hooks, FSDP2's settings) is restored in ``finally``: :meth:`Strategy.micro_step` ends the
-micro-step whether its body returned or raised.
+one agreement per call, and every other collective inside it is a sync point (``call_gate``). Every
+step-scoped state (reduction blocks, gathered parameters, removed hooks, FSDP2's settings) is
+restored in ``finally``: :meth:`Strategy.micro_step` ends the micro-step whether its body returned
+or raised.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class Strategy:
         self.gather = gather
         #: per model id, its :class:`~trl_tree.distributed.gathering.Gathering` once chosen
         self.gatherings: dict[int, gathering.Gathering] = {}
+
+    def _chosen(self, model, make: Callable[[], gathering.Gathering]) -> gathering.Gathering:
+        """``model``'s gathering: made by ``make`` at its first hold, logged then, kept after."""
+        chosen = self.gatherings.get(id(model))
+        if chosen is None:
+            chosen = self.gatherings[id(model)] = make()
+            logger.info("%s: %s", type(model).__name__, chosen.reason)
+        return chosen
 
     # ------------------------------------------------------------------ construction
     def refusal(self, args) -> str | None:
@@ -205,9 +214,9 @@ class FSDP1(Strategy):
 class FSDP2(Strategy):
     """FSDP2 (``fully_shard``): a sequence of tree calls runs on the model gathered once
     (``fsdp.gathered``) or block by block inside each call (``fsdp.block_held``; ``tree_gather``,
-    chosen per model by :meth:`gathering_of`), gradients accumulated unreduced; the models whose gradients wait are reduced
-    once, at the optimizer step's last micro-step (``fsdp.reduce_gradients``) — the policy and a
-    separate value model alike, on one process too."""
+    chosen per model by :meth:`gathering_of`), gradients accumulated unreduced; the models whose
+    gradients wait are reduced once, at the optimizer step's last micro-step
+    (``fsdp.reduce_gradients``) — the policy and a separate value model alike, on one process too."""
 
     name = "FSDP2"
     averages_by_hand = False
@@ -236,13 +245,8 @@ class FSDP2(Strategy):
 
     def gathering_of(self, model) -> gathering.Gathering:
         """Whole or block by block for ``model``, chosen at its first hold (``gathering.choose``) and kept."""
-        chosen = self.gatherings.get(id(model))
-        if chosen is None:
-            chosen = gathering.choose(self.gather, fsdp.whole_bytes(model), self._to_allocate(model),
-                                      self.accelerator.device)
-            self.gatherings[id(model)] = chosen
-            logger.info("%s: %s", type(model).__name__, chosen.reason)
-        return chosen
+        return self._chosen(model, lambda: gathering.choose(self.gather, fsdp.whole_bytes(model),
+                                                            self._to_allocate(model), self.accelerator.device))
 
     def lockstep(self) -> CallLockstep | None:
         """The agreement that lines the ranks' calls up (None on one process)."""
@@ -390,10 +394,8 @@ class DeepSpeedZeRO(Strategy):
         if engine is None:
             yield
             return
-        if id(model) not in self.gatherings:  # said once: ZeRO-3 holds the engine's model whole for the calls
-            self.gatherings[id(model)] = gathering.Gathering(False, "DeepSpeed ZeRO-3: held whole through a step's "
-                                                                    "tree calls (block by block is FSDP2's)")
-            logger.info("%s: %s", type(model).__name__, self.gatherings[id(model)].reason)
+        self._chosen(model, lambda: gathering.Gathering(False, "DeepSpeed ZeRO-3: held whole through a step's tree "
+                                                               "calls (block by block is FSDP2's)"))
         holder = self._whole.get(id(engine))
         if holder is None or holder.engine is not engine:
             holder = self._whole[id(engine)] = zero.WholeParameters(engine)

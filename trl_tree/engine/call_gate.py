@@ -1,7 +1,7 @@
 """A hook before every model call the engine makes, for callers that must see each call first.
 
-Why: where a sharded model is gathered block by block inside the calls (FSDP2's and ZeRO-3's own
-per-block hooks, ``distributed/lockstep.py``), every call of the model is a sequence of collectives,
+Why: where a sharded model is gathered block by block inside the calls (FSDP2's own per-block
+hooks, ``distributed/lockstep.py``), every call of the model is a sequence of collectives,
 and the ranks' calls must line up — but a rank's number of calls depends on its own trees (a walk's
 units, calls under a token budget, a window's share). The engine does not know about ranks; it
 only announces each call (which module it enters, and whether it builds a graph whose backward

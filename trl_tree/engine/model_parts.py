@@ -204,8 +204,9 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
     why = REFUSED_FAMILIES.get(text_config.model_type)
     if why is not None:
         raise ValueError(f"{type(causal_lm).__name__} is refused by the tree engine: {why}")
+    declares_mixers = any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)
     if not (getattr(causal_lm, "_supports_attention_backend", False) or getattr(causal_lm, "_supports_sdpa", False)
-            or any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)):
+            or declares_mixers):
         raise ValueError(f"{type(causal_lm).__name__}'s layers compute attention (or their recurrence) in code of their "
                          "own, not through transformers' attention interface, where the tree computes attention")
     bidirectional, shared_layers = _layer_facts(backbone)
@@ -213,7 +214,6 @@ def _parts_of(model: torch.nn.Module, pretrained: PreTrainedModel, lm_head: torc
         raise ValueError(f"{type(causal_lm).__name__} has attention that is not causal ({', '.join(bidirectional)}: "
                          "is_causal=False); the tree computes causal attention only. An encoder family trains as a "
                          "causal LM with is_decoder=True in its config")
-    declares_mixers = any(t in MIXER_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types)
     unknown = unknown_mixers(backbone, layer_types) if declares_mixers else []
     if unknown:
         raise ValueError(f"{type(causal_lm).__name__} has mixer layers the tree engine cannot run exactly "

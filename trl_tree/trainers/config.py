@@ -131,15 +131,16 @@ class TreeArguments:
     )
     tree_gather: str = field(
         default="auto",
-        metadata={"help": f"Under FSDP2 (and DeepSpeed ZeRO-3), how the sharded model is gathered for the tree's calls, "
-                  f"one of {GATHERINGS}. 'whole': once per step and kept whole through the step's calls (no "
-                  "collective inside them; the fastest where the whole model's weights fit beside the training "
-                  "state). 'block': one block at a time inside each call by the engine's own per-block hooks, as "
-                  "stock FSDP2/ZeRO-3 do (the ranks' calls are lined up, a rank with fewer calls making one-token "
+        metadata={"help": f"Under FSDP2, how the sharded model is gathered for the tree's calls, one of {GATHERINGS}. "
+                  "'whole': once per step and kept whole through the step's calls (no collective inside them; the "
+                  "fastest where the whole model's weights fit beside the training state). 'block': one block at a "
+                  "time inside each call by FSDP2's own per-block hooks, as stock FSDP2 does (the ranks' calls are "
+                  "lined up, a rank with fewer calls making one-token "
                   "stand-in calls): the memory of stock's, every call paying its gathers. 'auto': 'whole' where the "
                   "whole model with the state the step still allocates takes at most 60% of the free accelerator "
                   "memory, else 'block' (logged once per model; trl_tree/distributed/gathering.py). The same update "
-                  "either way. Ignored without a sharded engine."},
+                  "either way. DeepSpeed ZeRO-3 holds the model whole ('block' is refused there); ignored "
+                  "without a sharded engine."},
     )
     tree_one_pass: bool = field(
         default=True,
