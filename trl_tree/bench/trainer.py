@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         if stats is not None:  # the walk's units: replayed or eager (free lengths: padded to buckets)
             results[mode]["unit_graphs"] = stats
         for key in ("tree/rank_imbalance", "tree/rank_imbalance_stock",  # estimated max/mean cost over ranks
-                    "tree/passes"):  # the policy backward's passes: 1 where the loss is separable (tree_one_pass)
+                    "tree/passes",  # the policy backward's passes: 1 where the loss is separable (tree_one_pass)
+                    "tree/gather_block"):  # 1 where a sharded model was gathered block by block (tree_gather)
             if key in logs[-1]:
                 results[mode][key.split("/")[1]] = round(logs[-1][key], 4)
         processes = trainer.accelerator.num_processes
