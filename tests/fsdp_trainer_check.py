@@ -124,6 +124,26 @@ def main_idle(checkpoint: str, out_dir: str) -> None:
                                    gradient_accumulation_steps=1, **extra)
 
 
+#: a hybrid (Qwen3.5: gated DeltaNet beside attention; its model lists a vision block Accelerate's wrap policy
+#: refused) under FSDP2, gathered block by block: (algo, tree_mode, tree_window, extra config, tag)
+HYBRID_RUNS = (
+    ("grpo", "packed", "accumulation", {"tree_gather": "block"}, "hybrid-block"),
+    ("grpo", "dfs", "micro_step", {"tree_gather": "block"}, "hybrid-block"),
+)
+
+
+def main_hybrid(checkpoint: str, out_dir: str) -> None:
+    """``HYBRID_RUNS`` with the delta rule in float64 (transformers' kernels compute in fp32 whatever the
+    model's dtype, and their rounding moves with where chunks begin: ``mixers/deltanet.float64_kernels``)."""
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.engine.mixers.deltanet import float64_kernels
+
+    emulate_fsdp2_on_cpu()
+    with float64_kernels(tiny_model("qwen3_5")):
+        for algo, mode, window, extra, tag in HYBRID_RUNS:
+            ddp_check.train_window_run(checkpoint, out_dir, algo, None, mode, window, tag=f"fsdp-{tag}", **extra)
+
+
 #: one process under FSDP2: a separate value model is sharded (over one rank) and its gradients still
 #: reach it through the step's one reduction; (critic, tree_mode, tree_window)
 PPO_ONE_PROCESS_RUNS = (("separate", "dfs", "micro_step"), ("separate", "packed", "accumulation"),
@@ -207,6 +227,8 @@ if __name__ == "__main__":
         main_ppo(sys.argv[1], sys.argv[2])
     elif sys.argv[3:] == ["ppo_one"]:
         main_ppo_one(sys.argv[1], sys.argv[2])
+    elif sys.argv[3:] == ["hybrid"]:
+        main_hybrid(sys.argv[1], sys.argv[2])
     elif sys.argv[3:] == ["idle"]:
         main_idle(sys.argv[1], sys.argv[2])
     else:

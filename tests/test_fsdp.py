@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow  # launches of several processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch_fsdp2_check(tmp_path, processes: int = 2, *mode: str, timeout: int = 600):
+def launch_fsdp2_check(tmp_path, processes: int = 2, *mode: str, timeout: int = 600, family: str = "qwen2"):
     """``tests/fsdp_trainer_check.py`` under ``accelerate launch`` with ``examples/accelerate/fsdp2.yaml``
-    on ``processes`` CPU processes (``mode``: its entry, e.g. ``ppo``), on a tiny checkpoint saved
-    in ``tmp_path``; returns the checkpoint and the finished launch (its exit checked)."""
-    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    on ``processes`` CPU processes (``mode``: its entry, e.g. ``ppo``), on a tiny checkpoint of ``family``
+    saved in ``tmp_path``; returns the checkpoint and the finished launch (its exit checked)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny", family)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), "--config_file",
            os.path.join(ROOT, "examples/accelerate/fsdp2.yaml"), "--num_processes", str(processes),
@@ -233,6 +233,33 @@ def test_fsdp2_window_cuts_its_one_tree_until_every_rank_owns_a_piece(tmp_path):
             want = one["params"][param].double() - one["start"][param].double()
             err = float((p.double() - four[0]["start"][param].double() - want).norm() / want.norm().clamp(min=1e-30))
             assert err < 1e-5, f"{run}: {param}'s update differs from one process's by {err:.2e}"
+
+
+def test_a_hybrid_under_accelerate_fsdp2_block_by_block_trains_the_one_process_update(tmp_path):
+    """Qwen3.5 (gated DeltaNet layers beside attention) prepared by Accelerate's FSDP2 — whose wrap policy
+    refused the model before (it lists a vision block it does not hold) — and gathered block by block:
+    the stand-in calls run the hybrid's layers too. Packed in a window and the walk per micro-step; the
+    ranks agree and the update is one unwrapped process's (float64, the delta rule too; 1e-5)."""
+    import ddp_check
+    import fsdp_trainer_check
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.engine.mixers.deltanet import float64_kernels
+
+    checkpoint, _ = launch_fsdp2_check(tmp_path, 2, "hybrid", family="qwen3_5")
+    with float64_kernels(tiny_model("qwen3_5")):  # as the launch runs them (fsdp_trainer_check.main_hybrid)
+        name = ddp_check.train_window_run(checkpoint, str(tmp_path), "grpo", None, "off", "auto")
+    one = torch.load(tmp_path / f"win-{name}-p1_rank0.pt")
+    for algo, mode, window, extra, tag in fsdp_trainer_check.HYBRID_RUNS:
+        run = "-".join((algo, mode, window, "fsdp", tag))
+        two = [torch.load(tmp_path / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        assert two[0]["distributed_type"] == "FSDP" and two[0]["sharded"], f"{run}: not run under FSDP2"
+        assert two[0]["metrics"]["tree/gather_block"][-1] == 1.0, f"{run}: not gathered block by block"
+        assert set(two[0]["params"]) == set(one["params"])
+        for n, p in two[0]["params"].items():
+            assert torch.equal(p, two[1]["params"][n]), f"{run}: ranks disagree on {n}"
+            want = one["params"][n].double() - one["start"][n].double()
+            err = float((p.double() - two[0]["start"][n].double() - want).norm() / want.norm().clamp(min=1e-30))
+            assert err < 1e-5, f"{run}: {n}'s update differs from one unwrapped process's by {err:.2e}"
 
 
 def test_ppo_under_fsdp2_on_one_process_trains_the_separate_critic(tmp_path):

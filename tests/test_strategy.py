@@ -258,3 +258,31 @@ def test_a_gate_sees_each_call_once_and_closes_the_walks_calls():
         call_gate.sync_point()
     call_gate.before_model_call(module)  # no gate any more
     assert seen == [(module, True), (module, False), "sync"]
+
+
+def test_fsdp2_wraps_only_the_layer_classes_a_model_holds():
+    """Qwen3.5's text model lists its vision block among the classes to keep whole (transformers 5.24 shares
+    the list with the vision-language model); Accelerate's FSDP2 wrap policy raised for it, stock TRL's
+    path included. The FSDP2 strategy narrows the instance's list, and Accelerate's policy then builds."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.distributed import fsdp
+
+    model = tiny_model("qwen3_5")
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = SimpleNamespace(auto_wrap_policy=transformer_auto_wrap_policy, transformer_cls_names_to_wrap=None,
+                             min_num_params=None)
+    if "Qwen3_5VisionBlock" in type(model)._no_split_modules:  # this transformers lists it: Accelerate refuses
+        with pytest.raises(ValueError, match="Qwen3_5VisionBlock"):
+            fsdp2_prepare_auto_wrap_policy(plugin, model)
+    strategy = strategies.FSDP2(SimpleNamespace(device=torch.device("cpu")))
+    strategy.prepare_model(model)
+    assert model._no_split_modules == ["Qwen3_5DecoderLayer"]
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    assert sum(policy(m) for m in model.modules()) == model.config.num_hidden_layers
+    assert fsdp.wrap_only_present_layers(model) is None  # nothing more to drop
+    dense = tiny_model("qwen2")
+    listed = list(dense._no_split_modules)
+    assert fsdp.wrap_only_present_layers(dense) is None and list(dense._no_split_modules) == listed

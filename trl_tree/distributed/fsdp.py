@@ -339,6 +339,26 @@ def root_unsharded(model: torch.nn.Module, reshard_after: bool):
             root.reshard()
 
 
+def wrap_only_present_layers(model: torch.nn.Module) -> list[str] | None:
+    """Narrow the decoder-layer classes ``model`` lists in ``_no_split_modules`` to those it holds
+    (on the instance); returns the classes dropped, or None where nothing was.
+
+    Why: Accelerate's FSDP2 wrap policy (``TRANSFORMER_BASED_WRAP``, examples/accelerate/fsdp2.yaml) wraps
+    every class a model lists there and raises ("Could not find the transformer layer class ...") for
+    one the model does not contain. Some families share the list between their text and their
+    vision-language models — Qwen3.5's text models (transformers 5.24) list ``Qwen3_5VisionBlock`` —
+    so their text-only model cannot be prepared under FSDP2 at all, by stock TRL either. A list
+    naming only absent classes is left as it is (Accelerate's error then says what is wrong)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model: its base
+    names = list(getattr(base, "_no_split_modules", None) or ())
+    present = {type(m).__name__ for m in base.modules()}
+    kept = [n for n in names if n in present]
+    if not kept or len(kept) == len(names):
+        return None
+    base._no_split_modules = kept
+    return [n for n in names if n not in present]
+
+
 def shard_as_accelerate(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """``model`` sharded the way ``accelerator.prepare`` shards the policy under FSDP2 (its plugin's
     wrap policy, mixed precision, fp32 upcast of trainable low-precision weights), for a model that
@@ -347,6 +367,7 @@ def shard_as_accelerate(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     :func:`gathered`, which initialises the root first (:func:`init_root`)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+    wrap_only_present_layers(model)
     return fsdp2_prepare_model(accelerator, model)
 
 

@@ -81,6 +81,9 @@ class Strategy:
         """Why the engine cannot run these settings' tree calls exactly (None: it can); said at construction."""
         return None
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Make ``model`` ready for the engine's own preparation (Accelerate's ``prepare``); nothing here."""
+
     def loads_on_meta(self) -> bool:
         """Whether ranks past the first hold a just-loaded model on the meta device until the engine
         hands them rank 0's weights (FSDP2's low-memory loading): nothing to broadcast then."""
@@ -294,6 +297,12 @@ class FSDP2(Strategy):
 
     def abandon_step(self) -> None:
         self._pending = {}
+
+    def prepare_model(self, model) -> None:
+        dropped = fsdp.wrap_only_present_layers(model)
+        if dropped:
+            logger.info("%s: FSDP2 wraps the layer classes it holds; %s, listed in its _no_split_modules but absent "
+                        "from it, left out of the list", type(model).__name__, ", ".join(dropped))
 
     def loads_on_meta(self) -> bool:
         return bool(getattr(self.accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False))

@@ -59,6 +59,8 @@ class TreeCallsMixin:
         self._tree_sync_pending = False
         self._tree_layout_cache = None
         self._check_tree_support()
+        # before the Trainer's prepare wraps it (every mode: stock's own path needs it too, e.g. Qwen3.5 under FSDP2)
+        self._strategy.prepare_model(self.model)
         # the by-hand gradient average's communicator, made here, where every rank passes at once
         self._tree_reduce_group = (reduction_group(self.accelerator.device) if self.accelerator.num_processes > 1
                                    and self._strategy.averages_by_hand else None)
