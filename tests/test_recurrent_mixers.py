@@ -79,6 +79,30 @@ def test_checkpointing(family, reentrant):
         check_exact(model, [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [9, 9, 9, 9, 9]])  # the padded batch: the model's own
 
 
+def test_a_layer_whose_class_is_swapped_after_the_first_call_is_still_checkpointed():
+    """FSDP2's ``fully_shard`` swaps a decoder layer's class for a subclass of it (``FSDP<Layer>``), and
+    transformers checkpoints a layer only in its class's outermost ``forward``. The engine's wrapper of
+    a hybrid's layer must call the layer's forward as it is at each call: one taken before the swap ran
+    every hybrid layer un-checkpointed under FSDP2 (the mixer called once per call instead of twice,
+    its activations kept through the call). Exact still, and recomputed in the backward."""
+    model = tiny_model("qwen3_5")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check_exact(model, FORESTS["deep"])  # the first call installs the engine's wrappers
+    for layer in model.model.layers:  # as fully_shard does
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    calls = []
+    mixers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled())) for m in mixers]
+    try:
+        tree_backward(model, FORESTS["deep"], lambda logp, *_: logp)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(calls) == 2 * len(mixers), f"{len(calls)} mixer calls for {len(mixers)} mixers: not recomputed"
+    check_exact(model, FORESTS["deep"])
+
+
 @pytest.mark.parametrize("family,targets", [("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]),
                                             ("qwen3_5", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                          "out_proj", "q_proj"]),
