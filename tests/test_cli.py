@@ -288,3 +288,20 @@ def test_inspect_memory_agrees_with_the_peaks_measured_on_the_gpu():
             assert 0.9 <= rep.dfs_bytes / peaks["tree_dfs"] <= 1.6, where
             checked += 1
     assert checked >= 15
+
+
+def test_inspect_says_how_auto_would_gather_under_fsdp2(rollouts, capsys):
+    """``--gpus``: tree_gather='auto''s rule on the model's estimate. 14B on two 141 GiB GPUs was measured
+    (docs/benchmarks/fsdp2_block_14b_2x_h200.json): the whole hold ran out of memory, block by block trained;
+    the rule says block there, and whole for 0.5B on eight."""
+    folder, _ = rollouts
+    big = report(capsys, str(folder / "ids.jsonl"), "--model", "14b", "--gpus", "2", "--gpu-memory", "139.8")
+    assert big["gathering"]["block"] and 14e9 < big["gathering"]["parameters"] < 16e9
+    assert abs(big["gathering"]["whole_bf16_gib"] - 2 * big["gathering"]["parameters"] / 2**30) < 0.01
+    small = report(capsys, str(folder / "ids.jsonl"), "--model", "0.5b", "--gpus", "8")
+    assert not small["gathering"]["block"] and "held whole" in small["gathering"]["reason"]
+    assert main(["inspect", str(folder / "ids.jsonl"), "--model", "0.5b", "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP2 over 4 GPU(s) of 80 GiB" in out and "tree_gather='auto'" in out
+    assert main(["inspect", str(folder / "ids.jsonl"), "--gpus", "0"]) == 2
+    assert "--gpus must be at least 1" in capsys.readouterr().err

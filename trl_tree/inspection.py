@@ -292,6 +292,36 @@ def inspect(seqs: list[list[int]], score_from: list[int], config, model_name: st
     return report, forests
 
 
+def sharded_gathering(config, gpus: int, gpu_memory_gib: float) -> dict:
+    """What ``tree_gather="auto"`` would choose for a model of ``config`` trained with full parameters
+    under FSDP2 over ``gpus`` GPUs of ``gpu_memory_gib`` GiB, at its first hold (before the optimizer
+    has state): the rule of ``distributed/gathering.decide`` on estimates — the parameters counted
+    on the meta device; the GPU holding the sharded fp32 parameters (Accelerate's FSDP2 keeps an fp32
+    copy under bf16 mixed precision); the whole model gathered in bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .distributed.gathering import decide, step_allocation
+
+    if gpus < 1 or gpu_memory_gib <= 0:
+        raise InspectError(f"--gpus must be at least 1 and --gpu-memory positive, got {gpus} and {gpu_memory_gib}")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    total = int(gpu_memory_gib * 2**30)
+    local = -(-params // gpus)
+    chosen = decide(2 * params, step_allocation(params, local, True), max(total - 4 * local, 0), total)
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "parameters": params,
+            "sharded_state_gib": round(16 * local / 2**30, 2), "whole_bf16_gib": round(2 * params / 2**30, 2),
+            "block": chosen.block, "reason": chosen.reason}
+
+
+def gathering_lines(chosen: dict) -> list[str]:
+    return [f"FSDP2 over {chosen['gpus']} GPU(s) of {chosen['gpu_memory_gib']:g} GiB, full parameters "
+            f"({chosen['parameters'] / 1e9:.2f}B): sharded training state {chosen['sharded_state_gib']:.1f} GiB per GPU; "
+            f"holding the model whole adds {chosen['whole_bf16_gib']:.1f} GiB",
+            f"  {chosen['reason']} (docs/multi_gpu.md, tree_gather)"]
+
+
 def draw_forest(forest, path: str, max_nodes: int = 4000) -> None:
     """An icicle picture of one forest: each node a bar from its first to its last depth, nodes in
     depth-first order top to bottom, so shared prefixes are the long bars that children hang from."""

@@ -36,21 +36,36 @@ class Gathering:
     reason: str
 
 
+def step_allocation(trainable: int, local: int, optimizer_state_pending: bool) -> int:
+    """What a step still allocates beside the whole model, in bytes, for ``trainable`` parameters
+    (``local``: this rank's shard of them): their accumulated gradients whole in fp32, and an Adam-like
+    optimizer's two fp32 moments per local element where it has no state yet (the first step)."""
+    return 4 * trainable + (8 * local if optimizer_state_pending else 0)
+
+
 def choose(setting: str, whole: int, to_allocate: int, device: torch.device) -> Gathering:
     """The gathering for a model whose parameters take ``whole`` bytes gathered, on ``device``, where
     the step will still allocate ``to_allocate`` bytes (optimizer state, accumulated gradients)."""
     if setting not in GATHERINGS:
         raise ValueError(f"tree_gather must be one of {GATHERINGS}, got {setting!r}")
-    size = f"the whole model takes {whole / _GIB:.2f} GiB gathered"
     if setting != "auto":
-        return Gathering(setting == "block", f"tree_gather={setting!r} ({size})")
+        return Gathering(setting == "block", f"tree_gather={setting!r} ({_size(whole)})")
     if device.type != "cuda" or not torch.cuda.is_available():
         return Gathering(False, f"tree_gather='auto' on {device.type}, which has no free-memory reading: held whole "
-                                f"({size}); tree_gather='block' gathers block by block")
+                                f"({_size(whole)}); tree_gather='block' gathers block by block")
     free, total = torch.cuda.mem_get_info(device)
-    need = whole + to_allocate
-    block = need > WHOLE_SHARE * free
+    return decide(whole, to_allocate, free, total)
+
+
+def decide(whole: int, to_allocate: int, free: int, total: int) -> Gathering:
+    """``tree_gather="auto"``'s rule on given figures (bytes): whole where ``whole + to_allocate`` is at
+    most :data:`WHOLE_SHARE` of ``free``. ``trl-tree inspect --gpus`` runs it on estimates."""
+    block = whole + to_allocate > WHOLE_SHARE * free
     verdict = "gathered block by block" if block else "held whole"
-    return Gathering(block, f"tree_gather='auto': {size}, the step still allocates {to_allocate / _GIB:.2f} GiB, "
-                            f"{free / _GIB:.2f} of {total / _GIB:.2f} GiB free ({'more' if block else 'at most'} than "
+    return Gathering(block, f"tree_gather='auto': {_size(whole)}, the step still allocates {to_allocate / _GIB:.2f} "
+                            f"GiB, {free / _GIB:.2f} of {total / _GIB:.2f} GiB free ({'more than' if block else 'at most'} "
                             f"{WHOLE_SHARE:.0%} of it): {verdict}")
+
+
+def _size(whole: int) -> str:
+    return f"the whole model takes {whole / _GIB:.2f} GiB gathered"

@@ -262,10 +262,9 @@ class FSDP2(Strategy):
         parameters' accumulated gradients whole (fp32), and an Adam-like optimizer's two fp32 moments
         per local shard where no optimizer has state yet (the first step)."""
         params = [p for p in model.parameters() if p.requires_grad]
-        grads = 4 * sum(p.numel() for p in params if p.grad is None)
         stateless = all(not getattr(o, "state", None) for o in getattr(self.accelerator, "_optimizers", []))
         local = sum((p.to_local() if fsdp.is_sharded(p) else p).numel() for p in params)
-        return grads + (8 * local if stateless else 0)
+        return gathering.step_allocation(sum(p.numel() for p in params if p.grad is None), local, stateless)
 
     def scoring(self, model, graph: bool):
         # a graph's backward runs through FSDP2's own hooks after the calls: only the root's parameters

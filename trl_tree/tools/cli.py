@@ -1,7 +1,7 @@
 """``trl-tree``: one command for what a user runs around training with the tree.
 
     trl-tree demo [--algo grpo|rloo|ppo]   the README's main job: a tiny model on the CPU, tree vs stock
-    trl-tree inspect FILE [--tokenizer DIR] [--model 1.5b|config.json] [--rows-per-forest N] [--png OUT]
+    trl-tree inspect FILE [--tokenizer DIR] [--model 1.5b|config.json] [--rows-per-forest N] [--gpus N] [--png OUT]
     trl-tree bench [suite options]          the GPU benchmark suite (W1–W7 x model sizes)
     trl-tree check [options]                the GPU exactness check of every attention path
 
@@ -44,6 +44,10 @@ def _inspect(argv: list[str]) -> int:
                         "and with TreeSFTTrainer's sampler (tree_shuffle='groups'), T/U per micro-batch")
     parser.add_argument("--per-turn", action="store_true",
                         help="with --sft: a 'messages' row becomes one sample per assistant turn (sft_data.expand_turns)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="also say how tree_gather='auto' would gather the model under FSDP2 over this many GPUs "
+                        "(whole through a step's calls, or block by block inside each call)")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="with --gpus: GiB per GPU (default 80)")
     parser.add_argument("--png", default=None, help="write a picture of the first forest's shape here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
@@ -52,7 +56,8 @@ def _inspect(argv: list[str]) -> int:
     import json
 
     from ..data.data_files import DataError
-    from ..inspection import draw_forest, inspect, load_rows, load_tokenizer, pairs_from_rows, sequences_from_rows
+    from ..inspection import (draw_forest, gathering_lines, inspect, load_rows, load_tokenizer, pairs_from_rows,
+                              sequences_from_rows, sharded_gathering)
 
     if args.per_turn and not args.sft:
         parser.error("--per-turn expands SFT conversations: add --sft")
@@ -71,15 +76,17 @@ def _inspect(argv: list[str]) -> int:
         if args.sft:
             return _inspect_sft(args, seqs, score_from, config, name)
         report, forests = inspect(seqs, score_from, config, name, args.rows_per_forest, progress=not args.json)
+        chosen = sharded_gathering(config, args.gpus, args.gpu_memory) if args.gpus is not None else None
         if args.png:
             draw_forest(forests[0], args.png)
     except DataError as e:
         print(f"trl-tree inspect: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**dataclasses.asdict(report), "dedup_ratio": report.dedup_ratio}, indent=1))
+        print(json.dumps({**dataclasses.asdict(report), "dedup_ratio": report.dedup_ratio,
+                          **({"gathering": chosen} if chosen else {})}, indent=1))
     else:
-        print("\n".join(report.lines()))
+        print("\n".join(report.lines() + (gathering_lines(chosen) if chosen else [])))
         if args.png:
             print(f"forest picture: {args.png}")
     return 0
