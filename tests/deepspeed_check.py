@@ -95,6 +95,27 @@ def count_flushes() -> dict:
     return counts
 
 
+#: a hybrid (Qwen3.5: gated DeltaNet beside attention), GRPO: (tree_mode, tree_window); its checkpoint is
+#: ``hybrid_tiny`` beside the dense one, its delta rule in float64 (``mixers/deltanet.float64_kernels``)
+HYBRID_RUNS = (("packed", "accumulation"), ("dfs", "micro_step"))
+
+
+def hybrid_checkpoint(checkpoint: str) -> str:
+    return os.path.join(os.path.dirname(checkpoint), "hybrid_tiny")
+
+
+def main_hybrid(checkpoint: str, out_dir: str, counts: dict, runs=HYBRID_RUNS) -> None:
+    from trl_tree.data.tiny import tiny_model
+    from trl_tree.engine.mixers.deltanet import float64_kernels
+
+    with float64_kernels(tiny_model("qwen3_5")):
+        for mode, window in runs:
+            before = counts["flushes"]
+            run = ddp_check.train_window_run(hybrid_checkpoint(checkpoint), out_dir, "grpo", None, mode, window,
+                                             tag="hybrid")
+            torch.save({"flushes": counts["flushes"] - before}, os.path.join(out_dir, f"flushes-{run}.pt"))
+
+
 def main_grpo(checkpoint: str, out_dir: str, counts: dict) -> None:
     for mode, window, extra, tag in GRPO_RUNS:
         before = counts["flushes"]
@@ -232,6 +253,8 @@ if __name__ == "__main__":
         main_ppo(checkpoint, out_dir, counts, core="ppo" not in parts)
     if "rloo" in parts:
         main_rloo(checkpoint, out_dir, counts)
+    if "hybrid" in parts:
+        main_hybrid(checkpoint, out_dir, counts)
     if "offline" in parts:
         main_offline(sft_checkpoint, out_dir, counts)
     if "refuse" in parts:

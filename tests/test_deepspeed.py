@@ -49,6 +49,7 @@ def reference(tmp_path_factory):
     """GRPO's runs on one process, no DeepSpeed: the update the launches must give."""
     out = tmp_path_factory.mktemp("one")
     checkpoint = save_tiny_checkpoint(out / "tiny")
+    save_tiny_checkpoint(out / "hybrid_tiny", "qwen3_5")
     save_sft_checkpoint(out / "sft_tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     code = ("import sys; sys.path.insert(0, 'tests'); import ddp_check, deepspeed_check\n"
@@ -57,7 +58,8 @@ def reference(tmp_path_factory):
             f"    ddp_check.train_window_run({checkpoint!r}, {str(out)!r}, 'grpo', None, mode, window, tag=tag, **extra)\n"
             "for spec in deepspeed_check.PPO_RUNS:\n"
             f"    deepspeed_check.ppo_run({checkpoint!r}, {str(out)!r}, *spec[:4], False)\n"
-            f"deepspeed_check.main_idle({checkpoint!r}, {str(out)!r})")
+            f"deepspeed_check.main_idle({checkpoint!r}, {str(out)!r})\n"
+            f"deepspeed_check.main_hybrid({checkpoint!r}, {str(out)!r}, {{'flushes': 0}}, (('off', 'auto'),))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -79,7 +81,7 @@ def launched(request, reference, tmp_path_factory):
 
 #: what each stage's launch runs: ZeRO-3 everything; ZeRO-2 (whose paths GRPO's runs and PPO's critic
 #: kinds already cover) without the untreed/dfs separate critic, the resumed run and RLOO
-STAGE_PARTS = {2: ("grpo", "ppo-core", "offline"), 3: ("grpo", "ppo", "rloo", "offline")}
+STAGE_PARTS = {2: ("grpo", "ppo-core", "offline"), 3: ("grpo", "ppo", "rloo", "offline", "hybrid")}
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -102,6 +104,27 @@ def test_grpo_every_tree_mode_under_zero_trains_the_one_process_update(launched)
         assert flushes == (0 if run.endswith("off-auto") else 2), f"ZeRO-{stage} {run}: {flushes} reductions"
     metrics = torch.load(out / "win-grpo-dfs-accumulation-p2_rank0.pt")["metrics"]
     assert metrics["tree/dedup_ratio"][0] > 1.5 and "tree/rank_imbalance" in metrics, "no window ran"
+
+
+def test_a_hybrid_under_zero3_trains_the_one_process_update(launched):
+    """Qwen3.5 (gated DeltaNet layers beside attention) under ZeRO-3, its parameters partitioned and held
+    whole for the step's calls: packed in a window and the walk per micro-step train one process's
+    stock update (the delta rule in float64 on both sides), reduced once per optimizer step."""
+    import deepspeed_check
+
+    stage, out, one = launched
+    if "hybrid" not in STAGE_PARTS[stage]:
+        pytest.skip("ZeRO-3's launch runs the hybrid (the stage that partitions its parameters)")
+    ref = torch.load(one / "win-grpo-off-auto-hybrid-p1_rank0.pt")
+    update = _worst(ref["params"], ref["start"])
+    for mode, window in deepspeed_check.HYBRID_RUNS:
+        run = f"grpo-{mode}-{window}-hybrid"
+        ranks = [torch.load(out / f"win-{run}-p2_rank{r}.pt") for r in (0, 1)]
+        assert ranks[0]["distributed_type"] == "DEEPSPEED"
+        assert _worst(ranks[0]["params"], ranks[1]["params"]) == 0.0, f"ZeRO-{stage} {run}: the ranks disagree"
+        assert set(ranks[0]["params"]) == set(ref["params"])
+        assert _worst(ranks[0]["params"], ref["params"]) <= 1e-4 * update, f"ZeRO-{stage} {run}"
+        assert torch.load(out / f"flushes-{run}.pt")["flushes"] == 2, f"ZeRO-{stage} {run}: reductions"
 
 
 PPO = ("separate-off-auto", "separate-packed-accumulation", "separate-dfs-micro_step", "shared-packed-micro_step",
