@@ -287,3 +287,24 @@ def test_fsdp2_wraps_only_the_layer_classes_a_model_holds():
     dense = tiny_model("qwen2")
     listed = list(dense._no_split_modules)
     assert fsdp.wrap_only_present_layers(dense) is None and list(dense._no_split_modules) == listed
+
+
+def test_zero3_warns_where_holding_the_model_whole_would_not_fit(monkeypatch):
+    """Under ZeRO-3 the tree holds the model whole through a step's calls; where the whole parameters and their
+    gradients take more than tree_gather's share of the free GPU memory, it says so (naming FSDP2's block by
+    block) before the step runs out of memory, and not where they fit."""
+    import warnings
+
+    module = torch.nn.Linear(1024, 1024)  # 4 MiB of fp32 weights, 4 MiB of gradients
+    engine = SimpleNamespace(module=module)
+    strategy = strategies.DeepSpeedZeRO(SimpleNamespace(device=torch.device("cuda", 0)), stage=3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 20, 80 << 30))  # 10 MiB free
+    with pytest.warns(UserWarning, match="may run out of memory.*FSDP2"):
+        chosen = strategy._held_whole(engine)
+    assert not chosen.block and "would not fit" in chosen.reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = strategy._held_whole(engine)
+    assert not chosen.block and "held whole" in chosen.reason

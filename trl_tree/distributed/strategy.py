@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -402,8 +403,7 @@ class DeepSpeedZeRO(Strategy):
         if engine is None:
             yield
             return
-        self._chosen(model, lambda: gathering.Gathering(False, "DeepSpeed ZeRO-3: held whole through a step's tree "
-                                                               "calls (block by block is FSDP2's)"))
+        self._chosen(model, lambda: self._held_whole(engine))
         holder = self._whole.get(id(engine))
         if holder is None or holder.engine is not engine:
             holder = self._whole[id(engine)] = zero.WholeParameters(engine)
@@ -414,6 +414,26 @@ class DeepSpeedZeRO(Strategy):
         finally:
             if not was_held and not torch.is_grad_enabled():
                 holder.release()
+
+    def _held_whole(self, engine) -> gathering.Gathering:
+        """ZeRO-3 holds the model whole through a step's calls; where that would not fit by ``tree_gather``'s
+        rule (the whole parameters and their whole gradients, kept local until the step's one reduction,
+        against the free GPU memory), say so before it runs out of memory, and what gathers block by block."""
+        params = zero.engine_parameters(engine)
+        whole = sum(getattr(p, "ds_numel", p.numel()) * p.dtype.itemsize for p in params)
+        reason = "DeepSpeed ZeRO-3: held whole through a step's tree calls (block by block is FSDP2's)"
+        device = self.accelerator.device
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return gathering.Gathering(False, reason)
+        grads = sum(getattr(p, "ds_numel", p.numel()) * p.dtype.itemsize for p in params if p.requires_grad)
+        would = gathering.decide(whole, grads, *torch.cuda.mem_get_info(device))
+        if would.block:
+            warnings.warn(
+                f"{reason}, but the whole model and its gradients ({(whole + grads) / 2**30:.1f} GiB) take more than "
+                f"{gathering.WHOLE_SHARE:.0%} of this GPU's free memory ({would.reason}): the step may run out of "
+                "memory. FSDP2 (examples/accelerate/fsdp2.yaml) gathers block by block inside the tree's calls, as "
+                "stock does (tree_gather; docs/multi_gpu.md)", stacklevel=2)
+        return gathering.Gathering(False, f"{reason}; {would.reason.replace('gathered block by block', 'would not fit')}")
 
     def scoring(self, model, graph: bool):
         return self.hold(model)
