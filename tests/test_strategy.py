@@ -134,6 +134,24 @@ def test_deepspeed_settings_without_a_reduction_block_are_refused_at_constructio
     assert "BF16_Optimizer" in zero.missing_support(bf16_zero1)
     assert zero.missing_support(accelerator("DEEPSPEED", 2, stage=2, mixed_precision="bf16",
                                             config={"data_types": {"grad_accum_dtype": "fp32"}})) is None
+    for key in ("offload_optimizer", "offload_param"):  # ZeRO-Offload: refused, naming what to drop
+        offloaded = accelerator("DEEPSPEED", 2, stage=3, config={"zero_optimization": {key: {"device": "cpu"}}})
+        assert key in zero.missing_support(offloaded)
+    kept = accelerator("DEEPSPEED", 2, stage=3, config={"zero_optimization": {"offload_param": {"device": "none"}}})
+    assert zero.missing_support(kept) is None
+
+
+def test_fsdp_cpu_offload_is_refused_at_construction():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from trl_tree.distributed import fsdp
+
+    assert fsdp.offload_refusal(SimpleNamespace(cpu_offload=OffloadPolicy())) is None  # Accelerate's "no offload"
+    assert fsdp.offload_refusal(None) is None
+    assert "fsdp_offload_params" in fsdp.offload_refusal(SimpleNamespace(cpu_offload=CPUOffloadPolicy()))
+    strategy = strategies.FSDP2(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
+        cpu_offload=CPUOffloadPolicy()))))
+    assert "CPU offload" in strategy.refusal(SimpleNamespace(tree_gather="auto", tree_mode="packed"))
 
 
 def test_a_deepspeed_engine_is_told_by_type_subclasses_too():

@@ -79,6 +79,13 @@ def missing_support(accelerator=None) -> str | None:
         return ("DeepSpeed's ZeRO stage 0 has no gradient-reduction block (engine.coalesce_grad_reduction raises "
                 "for it), which the tree's one reduction per step is built on; use zero_stage 1, 2 or 3, or DDP "
                 "(examples/accelerate/multi_gpu.yaml)")
+    zero_cfg = config.get("zero_optimization") or {}
+    offloaded = [key for key in ("offload_optimizer", "offload_param")
+                 if str((zero_cfg.get(key) or {}).get("device", "none") or "none").lower() not in ("none", "auto")]
+    if offloaded:
+        return (f"DeepSpeed's {' and '.join(offloaded)} (ZeRO-Offload) is not supported by the tree, whose one "
+                "reduction per step and held parameters were not run with offloaded state; drop the offload, or use "
+                "FSDP2 with tree_gather='block' for stock's memory per GPU (docs/multi_gpu.md)")
     accum = str((config.get("data_types") or {}).get("grad_accum_dtype", "") or "").lower()
     enabled = (config.get("bf16") or {}).get("enabled")
     bf16 = enabled is True or str(enabled).lower() == "true" or accelerator.mixed_precision == "bf16"

@@ -80,6 +80,21 @@ def missing_support() -> str | None:
     return None
 
 
+def offload_refusal(plugin) -> str | None:
+    """Why the tree refuses an FSDP plugin's CPU offload (None: it offloads nothing). The tree's calls
+    gather, hold and reduce FSDP2's shards themselves (once per step, or block by block with the ranks'
+    calls lined up); with the shards kept on the CPU between calls that was never run — refused, not
+    guessed at."""
+    offload = getattr(plugin, "cpu_offload", None)
+    if offload is None or offload is False:
+        return None
+    if type(offload).__name__ == "CPUOffloadPolicy" or offload is True or getattr(offload, "offload_params", False):
+        return ("FSDP's CPU offload (fsdp_offload_params: true) is not supported by the tree's calls, which gather, "
+                "hold and reduce the shards themselves; drop the offload (FSDP2 with tree_gather='block' keeps stock's "
+                "memory per GPU, docs/multi_gpu.md)")
+    return None
+
+
 #: the oldest torch the FSDP2 path was tested on (pyproject's floor; docs/limitations.md)
 TORCH_FLOOR = "2.11"
 

@@ -234,7 +234,7 @@ class FSDP2(Strategy):
         self._lockstep: CallLockstep | None = None
 
     def refusal(self, args) -> str | None:
-        missing = fsdp.missing_support()
+        missing = fsdp.missing_support() or fsdp.offload_refusal(getattr(self.accelerator.state, "fsdp_plugin", None))
         if missing is None and getattr(args, "tree_gather", "auto") == "block" and args.tree_mode == "dfs" \
                 and args.tree_keep_graph:
             return ("tree_keep_graph=True keeps a walk's pushed node's graph across its subtree's calls, which "
