@@ -109,18 +109,20 @@ def main_ppo(checkpoint: str, out_dir: str) -> None:
 
 
 #: four processes, one prompt group per optimizer step (4 rows): placed whole, a window would leave ranks
-#: without a tree; under FSDP2 its tree is cut until every rank owns a piece; (algo, critic, tree_mode, extra)
+#: without a tree; under FSDP2 its tree is cut until every rank owns a piece; the last gathered block by
+#: block (a policy and a separate critic, the four ranks' walks differing); (algo, critic, tree_mode, extra, tag)
 IDLE_RANK_RUNS = (
-    ("grpo", None, "dfs", {}),
-    ("ppo", "shared", "packed", {"kl_coef": 0.0}),
-    ("ppo", "separate", "dfs", {"kl_coef": 0.0}),
+    ("grpo", None, "dfs", {}, "fsdp-idle"),
+    ("ppo", "shared", "packed", {"kl_coef": 0.0}, "fsdp-idle"),
+    ("ppo", "separate", "dfs", {"kl_coef": 0.0}, "fsdp-idle"),
+    ("ppo", "separate", "dfs", {"kl_coef": 0.0, "tree_gather": "block"}, "fsdp-idle-block"),
 )
 
 
 def main_idle(checkpoint: str, out_dir: str) -> None:
     emulate_fsdp2_on_cpu()
-    for algo, critic, mode, extra in IDLE_RANK_RUNS:
-        ddp_check.train_window_run(checkpoint, out_dir, algo, critic, mode, "accumulation", tag="fsdp-idle", rows=4,
+    for algo, critic, mode, extra, tag in IDLE_RANK_RUNS:
+        ddp_check.train_window_run(checkpoint, out_dir, algo, critic, mode, "accumulation", tag=tag, rows=4,
                                    gradient_accumulation_steps=1, **extra)
 
 

@@ -214,19 +214,22 @@ def test_fsdp2_window_cuts_its_one_tree_until_every_rank_owns_a_piece(tmp_path):
     sharded model on the owner only and the ranks would wait for each other forever. Under FSDP2
     the placement cuts the tree until every rank owns a piece (no fallback to the micro-steps' own
     trees, which the log would name): GRPO (dfs) and PPO (a head on the trunk, packed; a separate
-    value model, dfs) finish, the ranks agree, and the update is one process's (float64, 1e-5)."""
+    value model, dfs — held whole, and gathered block by block with the four ranks' calls lined up)
+    finish, the ranks agree, and the update is one process's (float64, 1e-5)."""
     import ddp_check
     import fsdp_trainer_check
 
     checkpoint, done = launch_fsdp2_check(tmp_path, 4, "idle", timeout=300)
     assert "without a tree under FSDP2" not in done.stderr
-    for algo, critic, mode, extra in fsdp_trainer_check.IDLE_RANK_RUNS:
+    for algo, critic, mode, extra, tag in fsdp_trainer_check.IDLE_RANK_RUNS:
+        extra = {k: v for k, v in extra.items() if k != "tree_gather"}  # one process: nothing to gather
         name = ddp_check.train_window_run(checkpoint, str(tmp_path), algo, critic, "off", "auto", rows=4,
                                           gradient_accumulation_steps=1, **extra)
         one = torch.load(tmp_path / f"win-{name}-p1_rank0.pt")
-        run = "-".join(x for x in (algo, critic, mode, "accumulation", "fsdp-idle") if x)
+        run = "-".join(x for x in (algo, critic, mode, "accumulation", tag) if x)
         four = [torch.load(tmp_path / f"win-{run}-p4_rank{r}.pt") for r in range(4)]
         assert four[0]["sharded"]
+        assert four[0]["metrics"]["tree/gather_block"][-1] == float(tag.endswith("block")), f"{run}: gathering"
         for param, p in four[0]["params"].items():
             for other in four[1:]:
                 assert torch.equal(p, other["params"][param]), f"{run}: ranks disagree on {param}"
