@@ -75,3 +75,35 @@ def test_every_file_a_page_cites_exists():
     dead = dead_references()
     assert not dead, "files named on the pages but not in the repository: " + "; ".join(
         f"{page}: {', '.join(sorted(set(names)))}" for page, names in sorted(dead.items()))
+
+
+def test_the_readme_results_table_is_the_json_it_cites():
+    """README's results table, row by row, against docs/benchmarks/suite_h200.json: stock TRL's padded step
+    and the packed tree with CUDA graphs (ms, rounded; speed-up, one decimal) on W1 and the agentic W4, and
+    W4's activation peaks of stock and the eager packed call (GiB, one decimal)."""
+    import json
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "docs/benchmarks/suite_h200.json" in text
+    suite = json.load(open(os.path.join(ROOT, "docs/benchmarks/suite_h200.json")))["results"]
+    row = re.compile(r"^\| (\S+)B \| ([\d,]+) → ([\d,]+) ms, \*\*([\d.]+)×\*\* \| ([\d,]+) → ([\d,]+) ms, "
+                     r"\*\*([\d.]+)×\*\* \| ([\d.]+) → ([\d.]+) GiB \|$", re.M)
+    rows = row.findall(text)
+    assert len(rows) == 3, "README's results table changed shape: update this test with it"
+
+    def paths(size: str, workload: str) -> dict:
+        run = next(w for w in suite[size] if w["workload"] == workload)
+        return {r["path"]: r for r in run["rows"]}
+
+    def num(s: str) -> float:
+        return float(s.replace(",", ""))
+
+    for size, w1_stock, w1_tree, w1_x, w4_stock, w4_tree, w4_x, mem_stock, mem_tree in rows:
+        for workload, stock, tree, x in (("W1", w1_stock, w1_tree, w1_x), ("W4", w4_stock, w4_tree, w4_x)):
+            got = paths(f"{size.lower()}b", workload)
+            base, graphs = got["trl_padded"]["ms"], got["tree_packed_graphs"]["ms"]
+            assert (num(stock), num(tree)) == (round(base), round(graphs)), f"{size}B {workload}: ms"
+            assert num(x) == round(base / graphs, 1), f"{size}B {workload}: speed-up"
+        w4 = paths(f"{size.lower()}b", "W4")
+        assert (num(mem_stock), num(mem_tree)) == (round(w4["trl_padded"]["activation_peak_gib"], 1),
+                                                   round(w4["tree_packed"]["activation_peak_gib"], 1)), f"{size}B"
