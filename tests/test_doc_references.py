@@ -107,3 +107,50 @@ def test_the_readme_results_table_is_the_json_it_cites():
         w4 = paths(f"{size.lower()}b", "W4")
         assert (num(mem_stock), num(mem_tree)) == (round(w4["trl_padded"]["activation_peak_gib"], 1),
                                                    round(w4["tree_packed"]["activation_peak_gib"], 1)), f"{size}B"
+
+
+def _refused_settings_in_code() -> list[str]:
+    """The settings the trainers refuse by name: the keys of every dict handed to ``_refuse`` (or built for
+    it by a ``_refused_settings``), the part before their parenthesised reason."""
+    import ast
+
+    names = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "trl_tree")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(folder, f), encoding="utf-8").read())
+            for node in ast.walk(tree):
+                dicts = []
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_refuse" and node.args:
+                    dicts += [a for a in node.args if isinstance(a, ast.Dict)]
+                if isinstance(node, ast.FunctionDef) and node.name in ("_refused_settings", "_check_trainer_support"):
+                    dicts += [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
+                for d in dicts:
+                    for key in d.keys:
+                        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                            names.append(key.value.split(" (")[0])
+                        elif isinstance(key, ast.JoinedStr) and isinstance(key.values[0], ast.Constant):
+                            names.append(str(key.values[0].value).split(" (")[0])
+    return names
+
+
+def test_every_setting_the_trainers_refuse_is_in_the_limitations():
+    """docs/limitations.md is the one list of refusals: every setting a trainer refuses by name at construction
+    is on it (its code names — ``tree_cuda_graphs``, ``label_smoothing_factor`` — or, where the key has none, one
+    of its words), and the trainer pages link to it."""
+    limitations = open(os.path.join(ROOT, "docs/limitations.md"), encoding="utf-8").read().lower()
+    refused = _refused_settings_in_code()
+    assert len(refused) >= 8, refused
+    missing = []
+    for name in refused:
+        identifiers = re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", name)
+        words = [w for w in re.findall(r"[A-Za-z0-9-]{4,}", name) if w.lower() not in ("with", "under", "their", "that")]
+        if identifiers:
+            if not all(i in limitations for i in identifiers):
+                missing.append(name)
+        elif not any(w.lower() in limitations for w in words):
+            missing.append(name)
+    assert not missing, f"refused in the code, absent from docs/limitations.md: {missing}"
+    for page in ("trainers.md", "sft.md", "dpo.md", "ppo.md", "async_grpo.md"):
+        assert "limitations.md" in open(os.path.join(ROOT, "docs", page), encoding="utf-8").read(), page
