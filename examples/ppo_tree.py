@@ -5,6 +5,10 @@
     python examples/ppo_tree.py --model Qwen/Qwen2.5-0.5B-Instruct --critic separate
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/ppo_tree.py
     accelerate launch --config_file examples/accelerate/multi_gpu.yaml examples/ppo_tree.py --model ...
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 4 examples/ppo_tree.py --model ...
+    accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml --num_processes 4 examples/ppo_tree.py --model ...
+
+Which engine and critic kind for which model size and GPUs: docs/ppo.md, "Several GPUs".
 
 Without ``--model`` the policy is a tiny Qwen2-shaped model built in code and the task rewards the
 letter 'a' (nothing is downloaded). ``--critic separate`` trains a value model of its own (from the
