@@ -382,7 +382,6 @@ def shard_as_accelerate(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     :func:`gathered`, which initialises the root first (:func:`init_root`)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    wrap_only_present_layers(model)
     return fsdp2_prepare_model(accelerator, model)
 
 

@@ -58,13 +58,24 @@ def choose(setting: str, whole: int, to_allocate: int, device: torch.device) -> 
 
 
 def decide(whole: int, to_allocate: int, free: int, total: int) -> Gathering:
-    """``tree_gather="auto"``'s rule on given figures (bytes): whole where ``whole + to_allocate`` is at
-    most :data:`WHOLE_SHARE` of ``free``. ``trl-tree inspect --gpus`` runs it on estimates."""
-    block = whole + to_allocate > WHOLE_SHARE * free
+    """``tree_gather="auto"``'s rule on given figures (bytes): whole where it fits (:func:`fits_whole`).
+    ``trl-tree inspect --gpus`` runs it on estimates."""
+    block = not fits_whole(whole, to_allocate, free)
     verdict = "gathered block by block" if block else "held whole"
-    return Gathering(block, f"tree_gather='auto': {_size(whole)}, the step still allocates {to_allocate / _GIB:.2f} "
-                            f"GiB, {free / _GIB:.2f} of {total / _GIB:.2f} GiB free ({'more than' if block else 'at most'} "
-                            f"{WHOLE_SHARE:.0%} of it): {verdict}")
+    return Gathering(block, f"tree_gather='auto': {memory_figures(whole, to_allocate, free, total)} "
+                            f"({'more than' if block else 'at most'} {WHOLE_SHARE:.0%} of it): {verdict}")
+
+
+def fits_whole(whole: int, to_allocate: int, free: int) -> bool:
+    """Whether the whole model (``whole`` bytes) with what the step still allocates takes at most
+    :data:`WHOLE_SHARE` of the ``free`` accelerator memory."""
+    return whole + to_allocate <= WHOLE_SHARE * free
+
+
+def memory_figures(whole: int, to_allocate: int, free: int, total: int) -> str:
+    """The figures a gathering is decided from, in words for the log."""
+    return (f"{_size(whole)}, the step still allocates {to_allocate / _GIB:.2f} GiB, {free / _GIB:.2f} of "
+            f"{total / _GIB:.2f} GiB free")
 
 
 def _size(whole: int) -> str:

@@ -312,6 +312,7 @@ class FSDP2(Strategy):
         adapter with the policy it lives in; only a head outside both stays whole (averaged by hand)."""
         critic.sharded = True
         if critic.model is not None:
+            self.prepare_model(critic.model)  # as the policy is, before Accelerate's wrap policy reads it
             critic.model = fsdp.shard_as_accelerate(self.accelerator, critic.model)
             critic.head = critic.model.score
 
@@ -419,21 +420,23 @@ class DeepSpeedZeRO(Strategy):
         """ZeRO-3 holds the model whole through a step's calls; where that would not fit by ``tree_gather``'s
         rule (the whole parameters and their whole gradients, kept local until the step's one reduction,
         against the free GPU memory), say so before it runs out of memory, and what gathers block by block."""
-        params = zero.engine_parameters(engine)
-        whole = sum(getattr(p, "ds_numel", p.numel()) * p.dtype.itemsize for p in params)
         reason = "DeepSpeed ZeRO-3: held whole through a step's tree calls (block by block is FSDP2's)"
         device = self.accelerator.device
         if device.type != "cuda" or not torch.cuda.is_available():
             return gathering.Gathering(False, reason)
-        grads = sum(getattr(p, "ds_numel", p.numel()) * p.dtype.itemsize for p in params if p.requires_grad)
-        would = gathering.decide(whole, grads, *torch.cuda.mem_get_info(device))
-        if would.block:
-            warnings.warn(
-                f"{reason}, but the whole model and its gradients ({(whole + grads) / 2**30:.1f} GiB) take more than "
-                f"{gathering.WHOLE_SHARE:.0%} of this GPU's free memory ({would.reason}): the step may run out of "
-                "memory. FSDP2 (examples/accelerate/fsdp2.yaml) gathers block by block inside the tree's calls, as "
-                "stock does (tree_gather; docs/multi_gpu.md)", stacklevel=2)
-        return gathering.Gathering(False, f"{reason}; {would.reason.replace('gathered block by block', 'would not fit')}")
+        sizes = [(getattr(p, "ds_numel", p.numel()) * p.dtype.itemsize, p.requires_grad)
+                 for p in zero.engine_parameters(engine)]
+        whole, grads = sum(n for n, _ in sizes), sum(n for n, trains in sizes if trains)
+        free, total = torch.cuda.mem_get_info(device)
+        figures = gathering.memory_figures(whole, grads, free, total)
+        if gathering.fits_whole(whole, grads, free):
+            return gathering.Gathering(False, f"{reason}; {figures}")
+        warnings.warn(
+            f"{reason}, but the whole model and its gradients ({(whole + grads) / 2**30:.1f} GiB) take more than "
+            f"{gathering.WHOLE_SHARE:.0%} of this GPU's free memory ({figures}): the step may run out of "
+            "memory. FSDP2 (examples/accelerate/fsdp2.yaml) gathers block by block inside the tree's calls, as "
+            "stock does (tree_gather; docs/multi_gpu.md)", stacklevel=2)
+        return gathering.Gathering(False, f"{reason}; would not fit: {figures}")
 
     def scoring(self, model, graph: bool):
         return self.hold(model)
