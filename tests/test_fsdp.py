@@ -230,12 +230,17 @@ def test_fsdp2_window_cuts_its_one_tree_until_every_rank_owns_a_piece(tmp_path):
         four = [torch.load(tmp_path / f"win-{run}-p4_rank{r}.pt") for r in range(4)]
         assert four[0]["sharded"]
         assert four[0]["metrics"]["tree/gather_block"][-1] == float(tag.endswith("block")), f"{run}: gathering"
-        for param, p in four[0]["params"].items():
-            for other in four[1:]:
-                assert torch.equal(p, other["params"][param]), f"{run}: ranks disagree on {param}"
-            want = one["params"][param].double() - one["start"][param].double()
-            err = float((p.double() - four[0]["start"][param].double() - want).norm() / want.norm().clamp(min=1e-30))
-            assert err < 1e-5, f"{run}: {param}'s update differs from one process's by {err:.2e}"
+        _assert_ranks_train_one_process_update(run, four, one)
+
+
+def _assert_ranks_train_one_process_update(run: str, ranks: list[dict], one: dict) -> None:
+    """Every rank ends with the same parameters, and their update is one process's (float64, 1e-5)."""
+    for param, p in ranks[0]["params"].items():
+        for other in ranks[1:]:
+            assert torch.equal(p, other["params"][param]), f"{run}: ranks disagree on {param}"
+        want = one["params"][param].double() - one["start"][param].double()
+        err = float((p.double() - ranks[0]["start"][param].double() - want).norm() / want.norm().clamp(min=1e-30))
+        assert err < 1e-5, f"{run}: {param}'s update differs from one process's by {err:.2e}"
 
 
 def test_a_hybrid_under_accelerate_fsdp2_block_by_block_trains_the_one_process_update(tmp_path):
@@ -258,11 +263,7 @@ def test_a_hybrid_under_accelerate_fsdp2_block_by_block_trains_the_one_process_u
         assert two[0]["distributed_type"] == "FSDP" and two[0]["sharded"], f"{run}: not run under FSDP2"
         assert two[0]["metrics"]["tree/gather_block"][-1] == 1.0, f"{run}: not gathered block by block"
         assert set(two[0]["params"]) == set(one["params"])
-        for n, p in two[0]["params"].items():
-            assert torch.equal(p, two[1]["params"][n]), f"{run}: ranks disagree on {n}"
-            want = one["params"][n].double() - one["start"][n].double()
-            err = float((p.double() - two[0]["start"][n].double() - want).norm() / want.norm().clamp(min=1e-30))
-            assert err < 1e-5, f"{run}: {n}'s update differs from one unwrapped process's by {err:.2e}"
+        _assert_ranks_train_one_process_update(run, two, one)
 
 
 def test_ppo_under_fsdp2_on_one_process_trains_the_separate_critic(tmp_path):
