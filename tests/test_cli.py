@@ -298,6 +298,11 @@ def test_inspect_says_how_auto_would_gather_under_fsdp2(rollouts, capsys):
     big = report(capsys, str(folder / "ids.jsonl"), "--model", "14b", "--gpus", "2", "--gpu-memory", "139.8")
     assert big["gathering"]["block"] and 14e9 < big["gathering"]["parameters"] < 16e9
     assert abs(big["gathering"]["whole_bf16_gib"] - 2 * big["gathering"]["parameters"] / 2**30) < 0.01
+    # the shapes of the four-GPU rows: Qwen2.5-32B and Qwen3-30B-A3B (a mixture of experts), whose whole bf16
+    # weights do not fit beside their sharded state on four H200s
+    for size, billions in (("32b", 32.8), ("30b-a3b", 30.5)):
+        row = report(capsys, str(folder / "ids.jsonl"), "--model", size, "--gpus", "4", "--gpu-memory", "139.8")
+        assert row["gathering"]["block"] and abs(row["gathering"]["parameters"] / 1e9 - billions) < 0.1, size
     small = report(capsys, str(folder / "ids.jsonl"), "--model", "0.5b", "--gpus", "8")
     assert not small["gathering"]["block"] and "held whole" in small["gathering"]["reason"]
     assert main(["inspect", str(folder / "ids.jsonl"), "--model", "0.5b", "--gpus", "4"]) == 0

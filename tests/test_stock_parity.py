@@ -153,6 +153,21 @@ def test_moe_load_balancing_loss_matches_trl(moe_checkpoint):
     compare(moe_checkpoint, ("packed",), tree_fields={"tree_token_budget": 40}, dtype=torch.float32, **ONE_UPDATE)
 
 
+def test_moe_load_balancing_loss_keeps_trees_per_micro_batch(moe_checkpoint):
+    """The loss is a function of each micro-batch's router statistics: an accumulation window cannot
+    merge micro-steps exactly. Asked for, it is refused at construction; under 'auto' the trainer
+    says so once and trains per micro-batch (stock's update, above); without the loss it windows."""
+    accumulate = dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=0)
+    with pytest.raises(ValueError, match=r"MoE load-balancing loss .* router_aux_loss_coef=0.0 to train with windows"):
+        run(TreeGRPOTrainer, TreeGRPOConfig, moe_checkpoint, tree_window="accumulation", **accumulate)
+    with pytest.warns(UserWarning, match=r"MoE load-balancing loss .*tree_window='auto' computes trees per micro-step"):
+        _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, moe_checkpoint, **accumulate)
+    assert not trainer._windows_on()
+    _, _, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, moe_checkpoint, tree_window="accumulation",
+                        router_aux_loss_coef=0.0, **accumulate)
+    assert trainer._windows_on() and not trainer.aux_loss_enabled
+
+
 # ---------------------------------------------------------------- construction-time refusals and warnings
 def test_dropout_refused_at_construction(tmp_path):
     """TRL 1.16 leaves dropout on by default (disable_dropout=False); attention dropout is out of

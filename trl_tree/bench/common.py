@@ -7,6 +7,7 @@ events, baseline and tree in the same process on the same rollouts; report ratio
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
-from ..data.tiny import SHAPED_FAMILIES, SHAPED_SIZES
+from ..data.tiny import QWEN3_MOE_SHAPES, SHAPED_FAMILIES, SHAPED_SIZES
 
 
 def drop_graphs(model: torch.nn.Module) -> None:
@@ -65,6 +66,62 @@ def built_whole():
         yield
     finally:
         hf_deepspeed.set_hf_deepspeed_config(config)
+
+
+def rank0_builds(config, rule: str = "auto") -> bool:
+    """Whether only the main process builds the launch's random model (the others on the meta device).
+
+    Accelerate's FSDP2 preparation upcasts the whole model to fp32 on each process before it shards it
+    and keeps that copy until the shards are placed: a 30B model's 122 GiB beside its shards does not fit
+    on a 141 GB GPU. A user's ``from_pretrained`` under ``fsdp_cpu_ram_efficient_loading`` loads the
+    weights on the main process only and leaves the others on the meta device, and Accelerate
+    broadcasts them from there; ``"auto"`` does the same where the fp32 copy would not fit in half
+    of the GPU, ``"on"`` / ``"off"`` force it."""
+    import os
+
+    if rule == "off" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true" or \
+            os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() != "true":
+        return False
+    if rule == "on" or not torch.cuda.is_available():
+        return rule == "on"
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
+    return 4 * numel > torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2
+
+
+def build_random_model(config, dtype: torch.dtype, device: torch.device, main_only: bool = False,
+                       upcast: bool = True) -> torch.nn.Module:
+    """The launch's random model, initialised on ``device`` (a 7B random init on the CPU takes minutes).
+
+    ``main_only`` (``rank0_builds``): the main process builds it on ``device`` and keeps it on the CPU;
+    the others get uninitialised CPU storage in the dtype Accelerate would give it (fp32 where it
+    upcasts for mixed precision: then its upcast copies nothing and the pages are never touched, so
+    they cost no memory) — Accelerate broadcasts the main process's weights into the shards. Not the
+    meta device: Accelerate maps the optimizer's parameters to the shards by their storage address,
+    which every meta tensor shares. The rotary frequencies (non-persistent buffers, not broadcast)
+    are computed by Transformers' own initialisation, as its ``from_pretrained`` does there."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    def build(dtype):
+        # a copy: the trainer aligns the model's config with the tokenizer (pad_token_id = 0), and a later
+        # mode built from the same object would initialise the pad row of the embedding as zeros
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, attn_implementation="sdpa")
+
+    if not main_only or int(os.environ.get("RANK", "0")) == 0:
+        with device, built_whole():
+            model = build(dtype)
+        return model.to("cpu") if main_only else model
+    with torch.device("meta"):
+        model = build(torch.float32 if upcast else dtype)
+    model.to_empty(device="cpu")
+    owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
+    for owner in owners:  # Transformers' own initialisation of each owner computes its buffers
+        model._init_weights(model.get_submodule(owner))
+    return model
 
 
 def release_memory() -> None:
@@ -173,7 +230,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
                                     fused_linear_cross_entropy=False)
 
 
-def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.nn.Module:
+def bench_model(size: str, kernels: str = "hf", family: str | None = None) -> torch.nn.Module:
     """A Qwen2.5-``size``-shaped model (or ``family`` at that shape, ``tiny.shaped_config``), random
     init on the GPU, bf16, gradient checkpointing on and TRL's fused LM head added (the padded
     baseline uses it; the tree engine calls the original forward), in train mode — how TRL trains
@@ -197,18 +254,21 @@ def bench_model(size: str, kernels: str = "hf", family: str = "qwen2") -> torch.
     return model
 
 
-def shaped_name(size: str, family: str = "qwen2") -> str:
+def shaped_name(size: str, family: str | None = None) -> str:
     """How a result file names ``tiny.shaped_config(size, family)``."""
-    names = {"qwen2": "Qwen2.5", "qwen3_next": "Qwen3-Next (hybrid)", "qwen3_5": "Qwen3.5 (hybrid)"}
+    family = family or ("qwen3_moe" if size in QWEN3_MOE_SHAPES else "qwen2")
+    names = {"qwen2": "Qwen2.5", "qwen3_next": "Qwen3-Next (hybrid)", "qwen3_5": "Qwen3.5 (hybrid)",
+             "qwen3_moe": "Qwen3-MoE"}
     return f"{names[family]}-{size}-shaped"
 
 
 def add_grpo_shape_args(parser) -> None:
     """The model size and GRPO group shape shared by the GRPO benchmarks' command lines."""
     parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
-    parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
-                        help="qwen2: Qwen2.5's dense decoder; qwen3_next, qwen3_5: the hybrids of the same size "
-                             "(gated DeltaNet in 3 of 4 layers, tiny.shaped_config)")
+    parser.add_argument("--family", default=None, choices=SHAPED_FAMILIES,
+                        help="qwen2 (the default for Qwen2.5's sizes): Qwen2.5's dense decoder; qwen3_next, qwen3_5: "
+                             "the hybrids of the same size (gated DeltaNet in 3 of 4 layers, tiny.shaped_config); "
+                             "qwen3_moe (the default for 30b-a3b): Qwen3's mixture of experts")
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--completion", type=int, default=512)
@@ -468,9 +528,10 @@ def offline_bench_parser(algo: str, modes: tuple[str, ...], doc: str, modes_help
     parser = argparse.ArgumentParser(prog=f"python -m trl_tree.bench.trainer --algo {algo}",
                                      description=doc.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=SHAPED_SIZES)
-    parser.add_argument("--family", default="qwen2", choices=SHAPED_FAMILIES,
-                        help="qwen2: Qwen2.5's dense decoder; qwen3_next, qwen3_5: the hybrids of the same size "
-                             "(gated DeltaNet in 3 of 4 layers, tiny.shaped_config)")
+    parser.add_argument("--family", default=None, choices=SHAPED_FAMILIES,
+                        help="qwen2 (the default for Qwen2.5's sizes): Qwen2.5's dense decoder; qwen3_next, qwen3_5: "
+                             "the hybrids of the same size (gated DeltaNet in 3 of 4 layers, tiny.shaped_config); "
+                             "qwen3_moe (the default for 30b-a3b): Qwen3's mixture of experts")
     parser.add_argument("--shapes", default=None, help=f"comma-separated (default: all of workloads.{algo}_shapes)")
     parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated, of {modes}{modes_help}")
     parser.add_argument("--steps", type=int, default=5)

@@ -36,7 +36,6 @@ reference (DESIGN.md's bf16 rule: the tree's error at most 1.5x stock's).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -55,8 +54,9 @@ from .common import (
     allreduce_bandwidth,
     add_kernels_arg,
     bench_tokenizer,
-    built_whole,
+    build_random_model,
     dump,
+    rank0_builds,
     environment,
     release_memory,
     shaped_name,
@@ -321,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-shuffle", default="groups", choices=("groups", "rows"),
                         help="tree_shuffle of every tree mode, pinned so that a change of the trainers' default "
                              "does not move the benchmark's figures (recorded in the JSON)")
+    parser.add_argument("--optim", default="adamw_torch",
+                        help="TrainingArguments.optim of every mode (sgd: no optimizer state — what lets a 30B model's "
+                             "step fit on four 141 GB GPUs beside its fp32 weights and gradients)")
+    parser.add_argument("--rank0-init", default="auto", choices=("auto", "on", "off"),
+                        help="under FSDP2 with fsdp_cpu_ram_efficient_loading: build the random model on the main "
+                             "process only and let Accelerate broadcast it, as from_pretrained does there (auto: where "
+                             "the model's fp32 copy would not fit in half of the GPU; Accelerate's preparation holds it)")
     parser.add_argument("--ddp-backend", default=None,
                         help="torch.distributed backend (TrainingArguments.ddp_backend); gloo lets several "
                              "processes share one GPU (LOCAL_RANK=0 in each) where only one is at hand")
@@ -342,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
                                 "beginning off+fp32 first")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
     from ..data.tiny import shaped_config
     from ..trainers import TreeGRPOConfig, TreeGRPOTrainer, TreePPOConfig, TreePPOTrainer
     from ..distributed.exchange import reduction_group
@@ -363,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:  # accelerate launch: one GPU per process
         torch.cuda.set_device(device)
+    main_only = rank0_builds(config, args.rank0_init)
     for run in args.modes.split(","):
         # a mode named twice runs twice (its later results under "MODE#2", ...)
         mode = run if run not in results else f"{run}#{sum(1 for k in results if k.partition('#')[0] == run) + 1}"
@@ -370,11 +376,6 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             release_memory()
             leftover = torch.cuda.memory_allocated()  # what earlier modes left (before this mode's model): not its own
-        with device, built_whole():  # initialised on the GPU: a 7B random init on the CPU takes minutes
-            # a copy: the trainer aligns the model's config with the tokenizer (pad_token_id = 0), and a
-            # later mode built from the same object would initialise the pad row of the embedding as zeros
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32 if args.update_check else
-                                                     torch.bfloat16, attn_implementation="sdpa")
         config_cls, trainer_cls = (TreePPOConfig, TreePPOTrainer) if args.algo == "ppo" else \
             (TreeGRPOConfig, TreeGRPOTrainer)
         ppo = {"critic": args.critic, "kl_coef": 0.0} if args.algo == "ppo" else {}
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         memory_gib = next((float(f.split("=", 1)[1]) for f in flags.split("+") if f.startswith("mem=")), None)
         fp32 = "+fp32" in flags
         mixed_precision = "no" if fp32 else "bf16"
+        model = build_random_model(config, torch.float32 if args.update_check else torch.bfloat16, device,
+                                   main_only, upcast=mixed_precision != "no")
         settings = {"tree_shuffle": args.tree_shuffle, "tree_window": window, "tree_token_budget": budget,
                     "mixed_precision": mixed_precision}
         with launcher_precision(mixed_precision):  # from the config to the end of training
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_steps=1 if args.update_check else args.steps, max_grad_norm=0.0 if args.update_check else 1.0,
                 ddp_backend=args.ddp_backend,
                 per_device_train_batch_size=args.per_device or args.group,
-                gradient_accumulation_steps=args.accumulation, num_generations=args.group, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
+                gradient_accumulation_steps=args.accumulation, num_generations=args.group, optim=args.optim, max_completion_length=args.completion, learning_rate=1e-6, beta=0.0,
                 use_liger_kernel=args.kernels == "liger", tree_compile_layers=args.kernels == "compiled",
                 bf16=not fp32,
                 logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
@@ -502,7 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         "algo": args.algo, **({"critic": args.critic} if args.algo == "ppo" else {}), "shape": args.workload,
         "group": args.group, "prompt": args.prompt, "completion": args.completion,
         "per_device_train_batch_size": args.per_device or args.group, "gradient_accumulation_steps": args.accumulation,
-        "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed"},
+        **({"optim": args.optim} if args.optim != "adamw_torch" else {}),
+        "completion_lengths": "uniform in [completion/2, completion]" if args.free_lengths else "fixed",
+        **({"init": "the main process builds the random model and Accelerate broadcasts it; the others hold "
+                    "uninitialised CPU storage until then (--rank0-init)"}
+           if main_only else {})},
         "results": results})
     return 0
 

@@ -1,7 +1,7 @@
 """Tiny randomly initialised decoders and synthetic rollouts, built in code (no hub access).
 
 Used by the README's demo, the tests and the benchmarks, so every one of them runs offline on any
-machine. ``shaped_config`` gives real model shapes (Qwen2.5-0.5B/1.5B/7B) for GPU benchmarks.
+machine. ``shaped_config`` gives real model shapes (Qwen2.5-0.5B to 32B, Qwen3-30B-A3B) for GPU benchmarks.
 """
 
 from __future__ import annotations
@@ -104,10 +104,17 @@ QWEN2_SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "1.5b": (1536, 8960, 28, 12, 2, 151936, 32768),
     "7b": (3584, 18944, 28, 28, 4, 152064, 32768),
     "14b": (5120, 13824, 48, 40, 8, 152064, 32768),
+    "32b": (5120, 27648, 64, 40, 8, 152064, 32768),
+}
+
+#: (hidden, expert intermediate, layers, heads, kv heads, head width, experts, experts per token, vocab,
+#: max positions) of Qwen3's mixture-of-experts models (every layer's MLP routed, no shared expert)
+QWEN3_MOE_SHAPES: dict[str, tuple[int, ...]] = {
+    "30b-a3b": (2048, 768, 48, 32, 4, 128, 128, 8, 151936, 40960),
 }
 
 #: the size names ``shaped_config`` takes (the benches' ``--size`` choices)
-SHAPED_SIZES: tuple[str, ...] = tuple(QWEN2_SHAPES)
+SHAPED_SIZES: tuple[str, ...] = tuple(QWEN2_SHAPES) + tuple(QWEN3_MOE_SHAPES)
 
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 96, **overrides) -> PretrainedConfig:
@@ -140,18 +147,29 @@ def tiny_model(family: str = "qwen2", seed: int = 0, attn_implementation: str = 
     return model.eval()
 
 
-#: model families ``shaped_config`` builds at the Qwen2.5 sizes
-SHAPED_FAMILIES = ("qwen2", "qwen3_next", "qwen3_5")
+#: model families ``shaped_config`` builds: the first three at the Qwen2.5 sizes, ``qwen3_moe`` at its own
+SHAPED_FAMILIES = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_moe")
 
 
-def shaped_config(size: str = "1.5b", family: str = "qwen2", **overrides) -> PretrainedConfig:
+def shaped_config(size: str = "1.5b", family: str | None = None, **overrides) -> PretrainedConfig:
     """A Qwen2.5-``size``-shaped config (random weights are made from it; nothing is downloaded).
+
+    ``family`` defaults to the size's own: ``qwen2`` for Qwen2.5's sizes, ``qwen3_moe`` for Qwen3's
+    mixture-of-experts sizes (``"30b-a3b"``: Qwen3-30B-A3B's 48 layers of 128 experts, 8 per token —
+    the shape RL users train most, and the one whose whole weights do not fit beside its sharded
+    state on four GPUs).
 
     ``family="qwen3_next"``: the hybrid of the same size — Qwen3-Next's layers (gated DeltaNet in 3
     of every 4, gated softmax attention in the 4th) at Qwen2.5's width, depth, heads and dense MLP;
     the DeltaNet's heads in Qwen3-Next's proportions (128-wide, twice as many value as key heads,
     key heads two thirds of the attention heads). ``family="qwen3_5"``: the same with Qwen3.5's dense
     layers (its DeltaNet's projections split)."""
+    if family is None:
+        family = "qwen3_moe" if size in QWEN3_MOE_SHAPES else "qwen2"
+    if family == "qwen3_moe" or size in QWEN3_MOE_SHAPES:
+        return _moe_shaped_config(size, family, overrides)
+    if size not in QWEN2_SHAPES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SHAPED_SIZES)}")
     hidden, inter, layers, heads, kv, vocab, max_pos = QWEN2_SHAPES[size]
     fields = dict(
         vocab_size=vocab,
@@ -189,6 +207,23 @@ def shaped_config(size: str = "1.5b", family: str = "qwen2", **overrides) -> Pre
         raise ValueError(f"unknown shaped family {family!r}; choose one of {', '.join(SHAPED_FAMILIES)}")
     fields.update(overrides)
     return config_class(**fields)
+
+
+def _moe_shaped_config(size: str, family: str, overrides: dict) -> PretrainedConfig:
+    """``shaped_config`` for Qwen3's mixture-of-experts sizes (a size and family that belong together)."""
+    if family != "qwen3_moe" or size not in QWEN3_MOE_SHAPES:
+        raise ValueError(f"size {size!r} with family {family!r}: the qwen3_moe family takes the sizes "
+                         f"{', '.join(QWEN3_MOE_SHAPES)}, the others {', '.join(QWEN2_SHAPES)}")
+    from transformers import Qwen3MoeConfig
+
+    hidden, expert_inter, layers, heads, kv, head_dim, experts, active, vocab, max_pos = QWEN3_MOE_SHAPES[size]
+    fields = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=6 * hidden // 2,
+                  moe_intermediate_size=expert_inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=head_dim, num_experts=experts, num_experts_per_tok=active,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=max_pos,
+                  rope_theta=1_000_000.0, tie_word_embeddings=False)
+    fields.update(overrides)
+    return Qwen3MoeConfig(**fields)
 
 
 # ---------------------------------------------------------------------- synthetic rollouts

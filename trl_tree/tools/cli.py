@@ -140,10 +140,11 @@ def _model_config(spec: str):
     import os
 
     from ..data.data_files import DataError
-    from ..data.tiny import SHAPED_SIZES, shaped_config
+    from ..data.tiny import QWEN3_MOE_SHAPES, SHAPED_SIZES, shaped_config
 
     if spec.lower() in SHAPED_SIZES:
-        return shaped_config(spec.lower()), f"a Qwen2.5-{spec.upper()}-shaped model"
+        family = "Qwen3" if spec.lower() in QWEN3_MOE_SHAPES else "Qwen2.5"
+        return shaped_config(spec.lower()), f"a {family}-{spec.upper()}-shaped model"
     from transformers import AutoConfig
 
     if os.path.isfile(spec):  # a config.json itself

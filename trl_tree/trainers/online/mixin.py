@@ -90,6 +90,16 @@ class TreeTrainerMixin(TreeCallsMixin):
                 "tree_window='micro_step' (or 'auto', which uses it there), or FSDP2 (fsdp_version: 2)"
             )
         self._check_whole_groups()
+        args = self.args
+        window_matters = args.tree_window == "accumulation" or self.accelerator.num_processes > 1 or \
+            args.gradient_accumulation_steps > 1
+        if self._windows_on() and window_matters and getattr(self, "aux_loss_enabled", False):
+            self._window_misfit(
+                "the MoE load-balancing loss (router_aux_loss_coef, on for mixture-of-experts models) is a function of "
+                "each micro-batch's router statistics, so an accumulation window cannot merge micro-steps exactly: "
+                "the tree shares tokens only within a micro-batch (a larger per_device_train_batch_size shares more). "
+                "Set router_aux_loss_coef=0.0 to train with windows, or tree_window='micro_step'"
+            )
         self._announce_shuffle()
 
     def _windows_on(self) -> bool:
