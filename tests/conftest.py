@@ -44,16 +44,6 @@ def pytest_configure(config):
     torch.use_deterministic_algorithms(False)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with end-to-end runs (the ``slow`` mark: example trainings, multi-process launches) first.
-    pytest-xdist hands out whole files (``--dist loadfile``) in collection order (``--no-loadscope-reorder``;
-    its default puts the files with the most tests first, which left these long files to the end, one
-    worker running the last of them while the other waited): the longest work starts first, so the two
-    workers finish together."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's own order kept
-
-
 @pytest.fixture(scope="session")
 def qwen2():
     return tiny_model("qwen2")
