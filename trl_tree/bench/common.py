@@ -69,16 +69,13 @@ def built_whole():
 
 
 def rank0_builds(config, rule: str = "auto") -> bool:
-    """Whether only the main process builds the launch's random model (the others on the meta device).
+    """Whether only the main process builds the launch's random model (``build_random_model``).
 
     Accelerate's FSDP2 preparation upcasts the whole model to fp32 on each process before it shards it
     and keeps that copy until the shards are placed: a 30B model's 122 GiB beside its shards does not fit
     on a 141 GB GPU. A user's ``from_pretrained`` under ``fsdp_cpu_ram_efficient_loading`` loads the
-    weights on the main process only and leaves the others on the meta device, and Accelerate
-    broadcasts them from there; ``"auto"`` does the same where the fp32 copy would not fit in half
+    weights on the main process only, and Accelerate broadcasts them from there; ``"auto"`` does the same where the fp32 copy would not fit in half
     of the GPU, ``"on"`` / ``"off"`` force it."""
-    import os
-
     if rule == "off" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true" or \
             os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() != "true":
         return False
@@ -102,8 +99,6 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device, main_on
     meta device: Accelerate maps the optimizer's parameters to the shards by their storage address,
     which every meta tensor shares. The rotary frequencies (non-persistent buffers, not broadcast)
     are computed by Transformers' own initialisation, as its ``from_pretrained`` does there."""
-    import os
-
     from transformers import AutoModelForCausalLM
 
     def build(dtype):
