@@ -298,15 +298,12 @@ def sharded_gathering(config, gpus: int, gpu_memory_gib: float) -> dict:
     has state): the rule of ``distributed/gathering.decide`` on estimates — the parameters counted
     on the meta device; the GPU holding the sharded fp32 parameters (Accelerate's FSDP2 keeps an fp32
     copy under bf16 mixed precision); the whole model gathered in bf16."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from .data.tiny import parameter_count
     from .distributed.gathering import decide, step_allocation
 
     if gpus < 1 or gpu_memory_gib <= 0:
         raise InspectError(f"--gpus must be at least 1 and --gpu-memory positive, got {gpus} and {gpu_memory_gib}")
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    params = parameter_count(config)
     total = int(gpu_memory_gib * 2**30)
     local = -(-params // gpus)
     chosen = decide(2 * params, step_allocation(params, local, True), max(total - 4 * local, 0), total)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.cost_model import StepCost, step_flops  # noqa: F401 - the benchmarks' FLOP limit, defined with the balancer's costs
-from ..data.tiny import QWEN3_MOE_SHAPES, SHAPED_FAMILIES, SHAPED_SIZES
+from ..data.tiny import SHAPED_FAMILIES, SHAPED_SIZES, parameter_count, shaped_family
 
 
 def drop_graphs(model: torch.nn.Module) -> None:
@@ -74,18 +74,15 @@ def rank0_builds(config, rule: str = "auto") -> bool:
     Accelerate's FSDP2 preparation upcasts the whole model to fp32 on each process before it shards it
     and keeps that copy until the shards are placed: a 30B model's 122 GiB beside its shards does not fit
     on a 141 GB GPU. A user's ``from_pretrained`` under ``fsdp_cpu_ram_efficient_loading`` loads the
-    weights on the main process only, and Accelerate broadcasts them from there; ``"auto"`` does the same where the fp32 copy would not fit in half
-    of the GPU, ``"on"`` / ``"off"`` force it."""
+    weights on the main process only, and Accelerate broadcasts them from there; ``"auto"`` does the
+    same where the fp32 copy would not fit in half of the GPU, ``"on"`` / ``"off"`` force it."""
     if rule == "off" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true" or \
             os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() != "true":
         return False
     if rule == "on" or not torch.cuda.is_available():
         return rule == "on"
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
-    return 4 * numel > torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return 4 * parameter_count(config) > total / 2
 
 
 def build_random_model(config, dtype: torch.dtype, device: torch.device, main_only: bool = False,
@@ -251,7 +248,7 @@ def bench_model(size: str, kernels: str = "hf", family: str | None = None) -> to
 
 def shaped_name(size: str, family: str | None = None) -> str:
     """How a result file names ``tiny.shaped_config(size, family)``."""
-    family = family or ("qwen3_moe" if size in QWEN3_MOE_SHAPES else "qwen2")
+    family = family or shaped_family(size)
     names = {"qwen2": "Qwen2.5", "qwen3_next": "Qwen3-Next (hybrid)", "qwen3_5": "Qwen3.5 (hybrid)",
              "qwen3_moe": "Qwen3-MoE"}
     return f"{names[family]}-{size}-shaped"

@@ -151,6 +151,21 @@ def tiny_model(family: str = "qwen2", seed: int = 0, attn_implementation: str = 
 SHAPED_FAMILIES = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_moe")
 
 
+def shaped_family(size: str) -> str:
+    """The family ``shaped_config`` builds at ``size`` when none is named: ``qwen3_moe`` for Qwen3's
+    mixture-of-experts sizes, ``qwen2`` for Qwen2.5's."""
+    return "qwen3_moe" if size in QWEN3_MOE_SHAPES else "qwen2"
+
+
+def parameter_count(config: PretrainedConfig) -> int:
+    """How many parameters a causal LM of ``config`` has, counted on the meta device (nothing allocated;
+    ``config`` itself is left as it was)."""
+    import copy
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
+
+
 def shaped_config(size: str = "1.5b", family: str | None = None, **overrides) -> PretrainedConfig:
     """A Qwen2.5-``size``-shaped config (random weights are made from it; nothing is downloaded).
 
@@ -164,8 +179,7 @@ def shaped_config(size: str = "1.5b", family: str | None = None, **overrides) ->
     the DeltaNet's heads in Qwen3-Next's proportions (128-wide, twice as many value as key heads,
     key heads two thirds of the attention heads). ``family="qwen3_5"``: the same with Qwen3.5's dense
     layers (its DeltaNet's projections split)."""
-    if family is None:
-        family = "qwen3_moe" if size in QWEN3_MOE_SHAPES else "qwen2"
+    family = family or shaped_family(size)
     if family == "qwen3_moe" or size in QWEN3_MOE_SHAPES:
         return _moe_shaped_config(size, family, overrides)
     if size not in QWEN2_SHAPES:

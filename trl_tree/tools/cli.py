@@ -140,10 +140,10 @@ def _model_config(spec: str):
     import os
 
     from ..data.data_files import DataError
-    from ..data.tiny import QWEN3_MOE_SHAPES, SHAPED_SIZES, shaped_config
+    from ..data.tiny import SHAPED_SIZES, shaped_config, shaped_family
 
     if spec.lower() in SHAPED_SIZES:
-        family = "Qwen3" if spec.lower() in QWEN3_MOE_SHAPES else "Qwen2.5"
+        family = {"qwen2": "Qwen2.5", "qwen3_moe": "Qwen3"}[shaped_family(spec.lower())]
         return shaped_config(spec.lower()), f"a {family}-{spec.upper()}-shaped model"
     from transformers import AutoConfig
 
